@@ -1,0 +1,359 @@
+"""Miles vs TRL's GRPOTrainer on one recipe, in one run: time per optimizer step and held-out accuracy.
+
+    python benchmarks/miles_vs_trl.py --recipe recipes/quickstart.yaml --out benchmarks/results/miles_vs_trl.json
+
+Quick check (both sides, 3 steps):
+
+    python benchmarks/miles_vs_trl.py --recipe recipes/quickstart.yaml --set trainer.steps=3 --out /tmp/mvt.json
+
+Runs, one after the other (never concurrently, so neither steals the other's cores):
+
+1. Miles: ``python -m miles.cli run RECIPE --run-dir <tmp> --quiet``; reads the run's ``summary.json``
+   (eval_before, eval_after, wall_s) and ``metrics.jsonl`` (step_s of every optimizer step);
+2. TRL: ``python benchmarks/trl_grpo.py`` (same recipe and overrides), which reproduces the recipe's
+   model, prompts, reward and sample budget with ``trl.GRPOTrainer`` and scores the result with Miles'
+   own evaluator (see that file for what is and is not aligned).
+
+Each side is a separate process so that they share no torch state (intra-op pool, RNG, allocator).
+Both get the same environment thread limits (``OMP_NUM_THREADS`` etc., ``--threads``). Miles runs
+several processes (controller, ``rollout.workers`` workers, ``trainer.ranks`` ranks, a nats-server)
+whose per-process torch threads come from the recipe (``rollout.engine.threads``,
+``trainer.backend.threads``), and its launcher pins ``OMP_NUM_THREADS=1`` in every actor; TRL is one
+process whose torch threads default to ``trainer.backend.threads``. The JSON records what each used,
+plus the CPU seconds of each side's whole process tree, so a reader can tell a speed-up from a side
+that merely used more cores.
+
+Wall times: ``process_wall_s`` is measured here for both sides alike (start-up, model load, the
+evaluations and training) and is the one the ratio uses; ``wall_s`` is what each side reports itself
+(Miles: from its controller's start to the summary; TRL: from interpreter start, imports included).
+Miles' ``step_s`` runs from one optimizer step's end to the next, so it includes the previous step's
+checkpoint, weight publish and any periodic evaluation (``trainer.eval_every``); TRL's includes its
+generation, scoring and update, and the run has no intermediate evaluations.
+
+The model is built (or found in the cache) before either run, so neither pays the one-off build.
+If the Miles run fails the TRL side still runs; the failure is reported and the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from miles.config import ConfigError, FsdpBackendConfig, RunConfig, TorchEngineConfig, load_config
+
+HERE = Path(__file__).resolve().parent
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def _log(msg: str) -> None:
+    print(f"[miles_vs_trl] {msg}", file=sys.stderr, flush=True)
+
+
+def child_env(threads: int) -> dict[str, str]:
+    """The environment of both sides: same BLAS/OpenMP limits, no tokenizer thread pool, no telemetry."""
+    env = dict(os.environ)
+    env.update({name: str(threads) for name in THREAD_ENV})
+    env.update(
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        WANDB_DISABLED="true",
+        WANDB_MODE="disabled",
+    )
+    return env
+
+
+def run_measured(cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: float) -> dict[str, Any]:
+    """Run ``cmd`` to completion; return its status, wall seconds and the CPU seconds of its whole process tree.
+
+    CPU time comes from ``RUSAGE_CHILDREN``, which counts every descendant that was waited for (the
+    Miles launcher waits for its actors and the nats-server), so it is the cost of the whole side.
+    """
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load = os.getloadavg()[0]
+    start = time.perf_counter()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            status = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            # SIGINT first: `miles run` then stops its actors (they run in their own sessions, so killing
+            # the launcher alone would orphan them).
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            status = 124
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {
+        "returncode": status,
+        "process_wall_s": round(wall, 2),
+        "cpu_s": round(cpu, 2),
+        "loadavg_1m_before": round(load, 2),
+        "command": cmd,
+        "log": str(log_path),
+    }
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def miles_threads(cfg: RunConfig) -> dict[str, Any]:
+    """Processes and torch intra-op threads of a local ``miles run`` of ``cfg`` (the launcher sets OMP=1)."""
+    engine = cfg.rollout.engine
+    backend = cfg.trainer.backend
+    return {
+        "processes": {
+            "controller": 1,
+            "rollout_workers": cfg.rollout.workers,
+            "trainer_ranks": cfg.trainer.ranks,
+            "nats_server": 0 if cfg.bus.nats_url else 1,
+        },
+        "torch_intra_op_per_rollout_worker": engine.threads if isinstance(engine, TorchEngineConfig) else None,
+        "torch_intra_op_per_trainer_rank": backend.threads if isinstance(backend, FsdpBackendConfig) else None,
+        "OMP_NUM_THREADS": "1 (set by the miles launcher in every actor)",
+    }
+
+
+def run_miles(
+    recipe: str, overrides: list[str], cfg: RunConfig, work: Path, env: dict[str, str], timeout_s: float
+) -> dict[str, Any]:
+    """``miles run`` as a subprocess; the result dict, or one with ``error`` when the run failed."""
+    run_dir = work / "miles-run"
+    cmd = [sys.executable, "-m", "miles.cli", "run", recipe, "--run-dir", str(run_dir), "--quiet"]
+    cmd += [x for o in overrides for x in ("--set", o)]
+    _log(f"miles: {' '.join(cmd[1:])}")
+    proc = run_measured(cmd, env, work / "miles.log", timeout_s)
+    out: dict[str, Any] = {"framework": "miles", "run_dir": str(run_dir), "threads": miles_threads(cfg), **proc}
+    summary_path, metrics_path = run_dir / "summary.json", run_dir / "metrics.jsonl"
+    if proc["returncode"] != 0 or not summary_path.is_file():
+        why = "timed out" if proc["returncode"] == 124 else f"exited with status {proc['returncode']}"
+        if proc["returncode"] == 0:
+            why = "finished without writing summary.json"
+        out["error"] = f"miles run {why}; log: {proc['log']} (actor logs: {run_dir / 'logs'})"
+        out["log_tail"] = tail(work / "miles.log")
+        return out
+    summary = json.loads(summary_path.read_text())
+    raw = metrics_path.read_text().splitlines() if metrics_path.is_file() else []
+    lines = [json.loads(x) for x in raw if x.strip()]
+    step_s = [float(x["step_s"]) for x in lines if x.get("step_s") is not None]
+    out.update(
+        eval_before=summary.get("eval_before"),
+        eval_after=summary.get("eval_after"),
+        eval_after_version=summary.get("eval_after_version"),
+        steps=len(lines),
+        wall_s=summary.get("wall_s"),
+        step_s_mean=statistics.fmean(step_s) if step_s else None,
+        step_s_median=statistics.median(step_s) if step_s else None,
+        step_s=[round(s, 4) for s in step_s],
+        samples=summary.get("samples_trained", sum(int(x.get("samples", 0)) for x in lines)),
+        staleness_mean=summary.get("staleness_mean"),
+        trajectories_dropped=summary.get("trajectories_dropped"),
+        reward_mean=statistics.fmean(x["reward_mean"] for x in lines if x.get("reward_mean") is not None)
+        if lines
+        else None,
+    )
+    if out["steps"] != cfg.trainer.steps:
+        out["warning"] = f"metrics.jsonl has {out['steps']} steps, the recipe asks for {cfg.trainer.steps}"
+    return out
+
+
+def run_trl(
+    recipe: str, overrides: list[str], work: Path, env: dict[str, str], threads: int | None, timeout_s: float
+) -> dict[str, Any]:
+    """``benchmarks/trl_grpo.py`` as a subprocess; its result dict, or one with ``error``."""
+    result_path = work / "trl.json"
+    cmd = [sys.executable, str(HERE / "trl_grpo.py"), "--recipe", recipe, "--out", str(result_path)]
+    cmd += [x for o in overrides for x in ("--set", o)]
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
+    _log(f"trl: {' '.join(cmd[1:])}")
+    proc = run_measured(cmd, env, work / "trl.log", timeout_s)
+    if proc["returncode"] != 0 or not result_path.is_file():
+        return {
+            "framework": "trl",
+            **proc,
+            "log_tail": tail(work / "trl.log"),
+            "error": f"trl_grpo.py exited with status {proc['returncode']}; log: {proc['log']}",
+        }
+    return {**json.loads(result_path.read_text()), **proc}
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    if not isinstance(a, int | float) or not isinstance(b, int | float) or b == 0:
+        return None
+    return a / b
+
+
+def _gain(side: dict[str, Any]) -> float | None:
+    before, after = side.get("eval_before"), side.get("eval_after")
+    return after - before if isinstance(before, int | float) and isinstance(after, int | float) else None
+
+
+def compare(miles: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
+    """Miles/TRL ratios (below 1: Miles is faster / cheaper) and each side's accuracy gain; none from a failed side."""
+    miles, trl = ({} if side.get("error") else side for side in (miles, trl))
+    return {
+        "step_s_mean_miles_over_trl": _ratio(miles.get("step_s_mean"), trl.get("step_s_mean")),
+        "step_s_median_miles_over_trl": _ratio(miles.get("step_s_median"), trl.get("step_s_median")),
+        "process_wall_miles_over_trl": _ratio(miles.get("process_wall_s"), trl.get("process_wall_s")),
+        "cpu_s_miles_over_trl": _ratio(miles.get("cpu_s"), trl.get("cpu_s")),
+        "accuracy_gain_miles": _gain(miles),
+        "accuracy_gain_trl": _gain(trl),
+    }
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def table(miles: dict[str, Any], trl: dict[str, Any], ratios: dict[str, Any]) -> str:
+    """Side-by-side plain-text table (a failed side's column is blank; its error follows the table)."""
+    errors = [f"{side['framework']}: ERROR {side['error']}" for side in (miles, trl) if side.get("error")]
+    miles, trl = ({} if side.get("error") else side for side in (miles, trl))
+    rows = [
+        ("steps", miles.get("steps"), trl.get("steps"), None),
+        ("samples trained", miles.get("samples"), trl.get("samples"), None),
+        (
+            "time per step, mean (s)",
+            miles.get("step_s_mean"),
+            trl.get("step_s_mean"),
+            ratios["step_s_mean_miles_over_trl"],
+        ),
+        (
+            "time per step, median (s)",
+            miles.get("step_s_median"),
+            trl.get("step_s_median"),
+            ratios["step_s_median_miles_over_trl"],
+        ),
+        (
+            "wall, whole process (s)",
+            miles.get("process_wall_s"),
+            trl.get("process_wall_s"),
+            ratios["process_wall_miles_over_trl"],
+        ),
+        ("wall, as reported (s)", miles.get("wall_s"), trl.get("wall_s"), None),
+        ("CPU time, process tree (s)", miles.get("cpu_s"), trl.get("cpu_s"), ratios["cpu_s_miles_over_trl"]),
+        ("eval accuracy before", miles.get("eval_before"), trl.get("eval_before"), None),
+        ("eval accuracy after", miles.get("eval_after"), trl.get("eval_after"), None),
+        ("accuracy gain", ratios["accuracy_gain_miles"], ratios["accuracy_gain_trl"], None),
+    ]
+    head = f"{'':28} {'Miles':>10} {'TRL':>10} {'Miles/TRL':>10}"
+    lines = [head, "-" * len(head)]
+    for name, m, t, r in rows:
+        lines.append(f"{name:28} {_fmt(m):>10} {_fmt(t):>10} {_fmt(r, 2):>10}")
+    return "\n".join(lines + errors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", required=True, help="Miles recipe, e.g. recipes/quickstart.yaml.")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Dotted override applied to both sides (repeatable).",
+    )
+    p.add_argument("--out", help="Write the comparison JSON here.")
+    p.add_argument(
+        "--env-threads",
+        type=int,
+        default=1,
+        help="OMP/MKL/OpenBLAS thread limit in both sides' environment (default 1, as Miles' actors).",
+    )
+    p.add_argument(
+        "--trl-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads of the TRL process (default: the recipe's trainer.backend.threads).",
+    )
+    p.add_argument("--only", choices=("miles", "trl"), help="Run one side only (e.g. while the other is broken).")
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="Per-side time limit.")
+    p.add_argument("--keep", action="store_true", help="Keep the work directory (Miles run dir, logs).")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+    except ConfigError as exc:
+        print(f"miles_vs_trl: error: {exc}", file=sys.stderr)
+        return 2
+
+    from miles.models.loading import resolve_model_dir
+
+    start = time.perf_counter()
+    model_dir = resolve_model_dir(cfg.model, cfg.task)  # build once, outside both measurements
+    _log(f"model ready in {time.perf_counter() - start:.1f}s: {model_dir}")
+
+    env = child_env(args.env_threads)
+    work = Path(tempfile.mkdtemp(prefix="miles-vs-trl-"))
+    skipped = {"error": "skipped (--only)"}
+    miles = {"framework": "miles", **skipped}
+    trl = {"framework": "trl", **skipped}
+    if args.only != "trl":
+        miles = run_miles(args.recipe, args.overrides, cfg, work, env, args.timeout_s)
+        if miles.get("error"):
+            _log(f"MILES FAILED: {miles['error']}\n{miles.get('log_tail', '')}")
+    if args.only != "miles":
+        trl = run_trl(args.recipe, args.overrides, work, env, args.trl_threads, args.timeout_s)
+        if trl.get("error"):
+            _log(f"TRL FAILED: {trl['error']}\n{trl.get('log_tail', '')}")
+
+    ratios = compare(miles, trl)
+    print(table(miles, trl, ratios))
+    result = {
+        "recipe": args.recipe,
+        "overrides": args.overrides,
+        "budget": {
+            "steps": cfg.trainer.steps,
+            "groups_per_step": cfg.trainer.groups_per_step,
+            "group_size": cfg.rollout.group_size,
+            "max_new_tokens": cfg.rollout.sampling.max_new_tokens,
+        },
+        "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "env_threads": {name: env[name] for name in THREAD_ENV},
+        "miles": miles,
+        "trl": trl,
+        "ratios": ratios,
+        "work_dir": str(work),
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        _log(f"wrote {args.out}")
+    wanted = [s for s in (miles, trl) if s.get("error") != skipped["error"]]
+    failed = any(s.get("error") for s in wanted)
+    if args.keep or failed:  # a failure's logs are what the error message points at
+        _log(f"work directory kept: {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""GRPO group-relative advantages.
+
+Every prompt is sampled ``group_size`` times; a completion's advantage is its reward relative to
+the others of its group, so no value network is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+AdvantageKind = Literal["grpo", "grpo_no_std"]
+
+
+def group_advantages(rewards: Tensor, kind: AdvantageKind = "grpo", eps: float = 1e-6) -> Tensor:
+    """Advantages of a rectangular batch of groups.
+
+    Args:
+        rewards: ``(G, N)`` rewards, one row per prompt group, or ``(N,)`` for a single group.
+        kind: ``"grpo"`` gives ``(r - mean) / (std + eps)``; ``"grpo_no_std"`` (Dr. GRPO) gives
+            ``r - mean``, which avoids up-weighting groups that are nearly solved or nearly failed.
+        eps: keeps the division finite when a group's spread is tiny.
+
+    The standard deviation is the population one (``correction=0``): it is defined for every group
+    size, including 1, and a two-sample group {0, 1} maps to exactly {-1, +1}.
+
+    Groups whose rewards are all equal carry no learning signal; they get an exact zero advantage
+    (computing ``r - mean`` in floating point could leave a rounding residue).
+
+    Returns:
+        Advantages shaped like ``rewards``, in its dtype (float32 if it was an integer tensor).
+    """
+    if rewards.dim() == 1:
+        return group_advantages(rewards.unsqueeze(0), kind, eps)[0]
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be (G, N) or (N,), got shape {tuple(rewards.shape)}")
+    if kind not in ("grpo", "grpo_no_std"):
+        raise ValueError(f"unknown advantage kind {kind!r}")
+    if not rewards.is_floating_point():
+        rewards = rewards.float()
+    mean = rewards.mean(dim=1, keepdim=True)  # (G, 1)
+    centred = rewards - mean  # (G, N)
+    if kind == "grpo":
+        std = rewards.std(dim=1, keepdim=True, correction=0)  # (G, 1)
+        centred = centred / (std + eps)
+    degenerate = rewards.amax(dim=1, keepdim=True) == rewards.amin(dim=1, keepdim=True)  # (G, 1)
+    return torch.where(degenerate, torch.zeros_like(centred), centred)
+
+
+def group_advantages_ragged(
+    groups: Sequence[Sequence[float]], kind: AdvantageKind = "grpo", eps: float = 1e-6
+) -> list[list[float]]:
+    """Same as :func:`group_advantages` for groups of different sizes (e.g. after dropping stale samples)."""
+    out: list[list[float]] = []
+    for group in groups:
+        if len(group) == 0:
+            out.append([])
+            continue
+        out.append(group_advantages(torch.tensor(list(group), dtype=torch.float64), kind, eps).tolist())
+    return out

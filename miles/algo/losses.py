@@ -1,0 +1,138 @@
+"""The policy objective: PPO-clip (clip-higher) with optional k3 KL to a reference and an entropy bonus.
+
+Pure functions of token tensors so that they can be checked by hand and so that data-parallel
+backends can reuse them unchanged: pass the *global* token / sequence counts as normalisers and the
+returned loss and metrics become this shard's additive share of the global value (summing them over
+ranks gives exactly what one rank would compute on the whole batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Aggregation = Literal["token", "sequence"]
+
+
+@dataclass(slots=True)
+class PolicyLossOutput:
+    """A differentiable scalar loss and detached scalar metrics.
+
+    ``loss = pg_loss + kl_coef * kl_ref - entropy_coef * entropy``; ``pg_loss``, ``kl_ref`` and
+    ``entropy`` are aggregated like the loss; ``clip_frac`` and ``ppo_kl`` are always means over
+    masked tokens.
+    """
+
+    loss: Tensor
+    metrics: dict[str, Tensor]
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    aggregation: Aggregation = "token",
+    ref_logp: Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+    token_weights: Tensor | None = None,
+    num_tokens: float | Tensor | None = None,
+    num_sequences: float | Tensor | None = None,
+) -> PolicyLossOutput:
+    """PPO-clip loss over masked tokens.
+
+    Args:
+        logp: ``(B, T)`` log-probs of the taken tokens under the policy being optimised (with grad).
+        old_logp: ``(B, T)`` log-probs under the proximal policy the ratio is taken against.
+        advantages: ``(B,)`` per sequence (broadcast to its tokens) or ``(B, T)`` per token.
+        mask: ``(B, T)`` 1 on tokens that are trained on (completion tokens), 0 elsewhere.
+        clip_low, clip_high: the ratio is clipped to ``[1 - clip_low, 1 + clip_high]``; a larger
+            ``clip_high`` (clip-higher) lets unlikely tokens with positive advantage grow faster.
+        aggregation: ``"token"``: sum over all masked tokens / number of masked tokens, so long
+            completions weigh more; ``"sequence"``: mean per sequence, then mean over sequences.
+        ref_logp: ``(B, T)`` reference-policy log-probs; needed when ``kl_coef > 0``.
+        kl_coef: weight of the k3 estimator ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, unbiased).
+        entropy: ``(B, T)`` per-token entropy of the policy (with grad when ``entropy_coef != 0``).
+        entropy_coef: weight of the entropy bonus (subtracted from the loss).
+        token_weights: ``(B, T)`` extra per-token multipliers of the policy-gradient term, e.g.
+            truncated importance weights for off-policy correction. Detached: they scale, not steer.
+        num_tokens: normaliser of the token means (default: masked tokens here); pass the global
+            count across data-parallel ranks.
+        num_sequences: normaliser of the ``"sequence"`` mean (default: sequences here with at least
+            one masked token); pass the global count across ranks.
+    """
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError("clip_low and clip_high must be >= 0")
+    if aggregation not in ("token", "sequence"):
+        raise ValueError(f"unknown aggregation {aggregation!r}")
+    if kl_coef > 0 and ref_logp is None:
+        raise ValueError("kl_coef > 0 needs ref_logp")
+    if entropy_coef != 0 and entropy is None:
+        raise ValueError("entropy_coef != 0 needs entropy")
+
+    mask = mask.to(logp.dtype)  # (B, T)
+    adv = advantages.to(logp.dtype)
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(1)  # (B, 1) broadcast over T
+
+    log_ratio = logp - old_logp  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    unclipped = -adv * ratio  # (B, T)
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)  # (B, T)
+    pg = torch.maximum(unclipped, clipped)  # (B, T) pessimistic bound
+    if token_weights is not None:
+        pg = pg * token_weights.detach().to(logp.dtype)
+
+    tokens = _normaliser(num_tokens, mask.sum(), logp)
+    seq_lengths = mask.sum(dim=1)  # (B,)
+    sequences = _normaliser(num_sequences, (seq_lengths > 0).sum(), logp)
+
+    def aggregate(per_token: Tensor) -> Tensor:
+        if aggregation == "token":
+            return (per_token * mask).sum() / tokens
+        per_seq = (per_token * mask).sum(dim=1) / seq_lengths.clamp(min=1.0)  # (B,)
+        return per_seq.sum() / sequences
+
+    def token_mean(per_token: Tensor) -> Tensor:
+        return ((per_token * mask).sum() / tokens).detach()
+
+    pg_loss = aggregate(pg)
+    loss = pg_loss
+    zero = pg_loss.new_zeros(())
+
+    kl_ref = zero
+    if ref_logp is not None:
+        delta = ref_logp.detach() - logp  # (B, T)
+        kl_ref = aggregate(torch.exp(delta) - delta - 1.0)
+        if kl_coef > 0:
+            loss = loss + kl_coef * kl_ref
+
+    ent = zero
+    if entropy is not None:
+        ent = aggregate(entropy)
+        if entropy_coef != 0:
+            loss = loss - entropy_coef * ent
+
+    metrics = {
+        "loss": loss.detach(),
+        "pg_loss": pg_loss.detach(),
+        "clip_frac": token_mean((clipped > unclipped).to(logp.dtype)),
+        "ppo_kl": token_mean(-log_ratio),
+        "kl_ref": kl_ref.detach(),
+        "entropy": ent.detach(),
+    }
+    return PolicyLossOutput(loss=loss, metrics=metrics)
+
+
+def _normaliser(given: float | Tensor | None, local: Tensor, like: Tensor) -> Tensor:
+    """The divisor of a mean, never zero (an empty batch gives a zero loss, not NaN)."""
+    value = local if given is None else torch.as_tensor(given)
+    return value.to(device=like.device, dtype=like.dtype).clamp(min=1.0)

@@ -1,0 +1,1 @@
+"""Training backends: one interface (:class:`miles.backends.base.TrainBackend`)."""

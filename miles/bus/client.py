@@ -1,0 +1,109 @@
+"""One actor's handle on the bus: connection, JetStream, run subjects, state bucket, dead letters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+from nats.js.kv import KeyValue
+
+from miles.bus.connect import connect
+from miles.bus.schema import Message, SchemaError, decode, encode
+from miles.bus.streams import ensure_run_streams
+from miles.bus.subjects import Subjects
+from miles.config import BusConfig
+
+log = structlog.get_logger(__name__)
+
+M = TypeVar("M", bound=Message)
+
+# KV keys of the state bucket (docs/protocol.md).
+KEY_TRAINER_VERSION = "trainer_version"
+KEY_STATUS = "status"
+
+
+@dataclass(slots=True)
+class Bus:
+    """Connected client plus everything an actor needs to speak the run's protocol."""
+
+    nc: NATS
+    js: JetStreamContext
+    subjects: Subjects
+    kv: KeyValue
+    actor_id: str
+    dead_lettered: int = field(default=0)
+
+    @classmethod
+    async def open(cls, cfg: BusConfig, url: str, run: str, actor_id: str) -> Bus:
+        nc = await connect(
+            url,
+            name=f"{run}:{actor_id}",
+            creds=cfg.creds,
+            tls_ca=cfg.tls_ca,
+            tls_cert=cfg.tls_cert,
+            tls_key=cfg.tls_key,
+        )
+        js = nc.jetstream(timeout=10.0)
+        subjects = Subjects(run)
+        await ensure_run_streams(js, subjects, replicas=cfg.replicas, ack_wait_s=cfg.ack_wait_s)
+        kv = await js.key_value(subjects.state_bucket)
+        return cls(nc=nc, js=js, subjects=subjects, kv=kv, actor_id=actor_id)
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+    async def publish(self, subject: str, msg: Message) -> PubAck:
+        """Durable publish: returns once JetStream has stored the message."""
+        return await self.js.publish(subject, encode(msg))
+
+    async def emit(self, subject: str, msg: Message) -> None:
+        """Fire-and-forget core-NATS publish (heartbeats)."""
+        await self.nc.publish(subject, encode(msg))
+
+    async def dead_letter(self, origin: str, data: bytes, reason: str) -> None:
+        """Park an undecodable payload, unchanged, on the run's dead-letter stream and count it."""
+        self.dead_lettered += 1
+        log.warning("dead_letter", origin=origin, reason=reason, size=len(data), actor=self.actor_id)
+        headers = {"Miles-Origin": origin, "Miles-Reason": reason[:500], "Miles-Actor": self.actor_id}
+        await self.js.publish(self.subjects.dead_letter(origin), data, headers=headers)
+
+    async def decode_or_dead_letter(self, msg: Msg, cls: type[M]) -> M | None:
+        """Decode a delivered message; a bad one is dead-lettered and acked (it is kept in the DLQ)."""
+        try:
+            return decode(msg.data, cls)
+        except SchemaError as exc:
+            await self.dead_letter(msg.subject, msg.data, str(exc))
+            if msg.reply:  # JetStream delivery: remove it from the work stream, it lives on in the DLQ
+                await msg.ack()
+            return None
+
+    async def get_int(self, key: str, default: int) -> int:
+        try:
+            entry = await self.kv.get(key)
+        except Exception:  # KeyNotFoundError / KeyDeletedError
+            return default
+        return int(entry.value.decode()) if entry.value else default
+
+    async def put_int(self, key: str, value: int) -> None:
+        await self.kv.put(key, str(value).encode())
+
+    async def get_str(self, key: str, default: str = "") -> str:
+        try:
+            entry = await self.kv.get(key)
+        except Exception:
+            return default
+        return entry.value.decode() if entry.value else default
+
+    async def put_str(self, key: str, value: str) -> None:
+        await self.kv.put(key, value.encode())
+
+    async def dead_letter_count(self) -> int:
+        """Run-wide number of dead-lettered messages (the DLQ stream's size)."""
+        info = await self.js.stream_info(self.subjects.dlq_stream)
+        return int(info.state.messages)

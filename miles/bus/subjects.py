@@ -1,0 +1,90 @@
+"""Names of every subject, stream, consumer and bucket of one run (all prefixed by the run name)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    """The naming scheme of docs/protocol.md, in one place."""
+
+    run: str
+
+    # subjects
+    @property
+    def prompts(self) -> str:
+        return f"{self.run}.prompts"
+
+    @property
+    def traj(self) -> str:
+        return f"{self.run}.traj"
+
+    @property
+    def weights(self) -> str:
+        return f"{self.run}.events.weights"
+
+    @property
+    def discarded(self) -> str:
+        return f"{self.run}.events.discarded"
+
+    @property
+    def control(self) -> str:
+        return f"{self.run}.events.control"
+
+    def heartbeat(self, role: str = "*", actor_id: str = "*") -> str:
+        """Core-NATS (not persisted) liveness subject; the defaults give the wildcard."""
+        return f"{self.run}.hb.{role}.{actor_id}"
+
+    @property
+    def step(self) -> str:
+        return f"{self.run}.metrics.step"
+
+    @property
+    def eval(self) -> str:
+        return f"{self.run}.metrics.eval"
+
+    @property
+    def done(self) -> str:
+        return f"{self.run}.metrics.done"
+
+    @property
+    def metrics_all(self) -> str:
+        return f"{self.run}.metrics.>"
+
+    def dead_letter(self, origin: str) -> str:
+        """Where a message that failed to decode on ``origin`` is parked (origin's dots become '_')."""
+        return f"{self.run}.dlq.{origin.replace('.', '_')}"
+
+    # streams
+    @property
+    def prompts_stream(self) -> str:
+        return f"{self.run}_PROMPTS"
+
+    @property
+    def traj_stream(self) -> str:
+        return f"{self.run}_TRAJ"
+
+    @property
+    def events_stream(self) -> str:
+        return f"{self.run}_EVENTS"
+
+    @property
+    def metrics_stream(self) -> str:
+        return f"{self.run}_METRICS"
+
+    @property
+    def dlq_stream(self) -> str:
+        return f"{self.run}_DLQ"
+
+    # durable consumers
+    ROLLOUT_CONSUMER: ClassVar[str] = "rollout"
+    TRAINER_CONSUMER: ClassVar[str] = "trainer"
+    CONTROLLER_EVENTS_CONSUMER: ClassVar[str] = "controller-events"
+    CONTROLLER_METRICS_CONSUMER: ClassVar[str] = "controller-metrics"
+
+    # key-value bucket of run state
+    @property
+    def state_bucket(self) -> str:
+        return f"{self.run}_STATE"

@@ -1,0 +1,114 @@
+"""``miles``: run a recipe on this machine, inspect a config, or serve a bus for a multi-process run.
+
+miles run recipes/quickstart.yaml --run-dir runs/quickstart
+miles config recipes/quickstart.yaml --set trainer.lr=1e-3
+miles bus --run-dir runs/shared          # an embedded nats-server for miles-node processes
+miles top --nats-url nats://host:4222 -c recipes/quickstart.yaml   # live monitor
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from miles.config import ConfigError, dump_config, load_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="miles", description="Asynchronous RL post-training over NATS JetStream.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="Run a recipe: all actors on this machine.")
+    run.add_argument("recipe", help="YAML recipe, e.g. recipes/quickstart.yaml.")
+    run.add_argument("--run-dir", help="Run directory (default: runs/<name>).")
+    run.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Dotted config override, e.g. --set trainer.lr=2e-5 (repeatable).",
+    )
+    run.add_argument("--nats-url", help="Use this NATS server instead of starting an embedded one.")
+    run.add_argument("--quiet", action="store_true", help="No progress output, only the summary.")
+
+    cfg = sub.add_parser("config", help="Print the resolved config of a recipe with overrides.")
+    cfg.add_argument("recipe", nargs="?", help="YAML recipe (defaults if omitted).")
+    cfg.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+    bus = sub.add_parser("bus", help="Serve an embedded nats-server with JetStream until interrupted.")
+    bus.add_argument("--run-dir", default="runs/bus", help="Where the server keeps its store and log.")
+    bus.add_argument("--max-payload-mb", type=int, default=8)
+
+    top = sub.add_parser("top", help="Live view of a running run (same as miles-node --role monitor).")
+    top.add_argument("--config", "-c", help="The run's recipe (for its name and bounds).")
+    top.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    top.add_argument("--nats-url", required=True)
+    top.add_argument("--json", action="store_true")
+    top.add_argument("--once", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return _run(args)
+        if args.command == "config":
+            print(dump_config(load_config(args.recipe, args.overrides)), end="")
+            return 0
+        if args.command == "bus":
+            return asyncio.run(_serve_bus(Path(args.run_dir), args.max_payload_mb))
+        if args.command == "top":
+            from miles.node import main as node_main
+
+            extra = ["--json"] * args.json + ["--once"] * args.once
+            conf = ["--config", args.config] if args.config else []
+            sets = [x for o in args.overrides for x in ("--set", o)]
+            return node_main(
+                ["--role", "monitor", "--nats-url", args.nats_url, "--run-dir", "runs/monitor", *conf, *sets, *extra]
+            )
+    except ConfigError as exc:
+        print(f"miles: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.recipe, args.overrides)
+    run_dir = Path(args.run_dir or f"runs/{cfg.name}")
+    from miles.logs import configure_logging
+
+    configure_logging(json_lines=False)
+    from miles.models.loading import resolve_model_dir
+
+    print(f"miles: preparing model ({cfg.model.type}) ...", file=sys.stderr)
+    try:
+        resolve_model_dir(cfg.model, cfg.task)  # built once here, so actors do not race to build it
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"miles: error: {exc}", file=sys.stderr)
+        return 2
+    from miles.launch import run_local
+
+    return asyncio.run(run_local(cfg, run_dir, args.nats_url, quiet=args.quiet))
+
+
+async def _serve_bus(run_dir: Path, max_payload_mb: int) -> int:
+    from miles.bus.server import EmbeddedNats
+
+    async with EmbeddedNats(run_dir, max_payload=max_payload_mb * 2**20) as server:
+        print(server.url, flush=True)
+        print(f"miles: nats-server with JetStream at {server.url} (Ctrl-C stops it)", file=sys.stderr)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""The one typed config tree of a Miles run: YAML recipe + dotted ``--set`` overrides.
+
+Torch-free on purpose, so that ``miles --help`` and config errors are instant. Every model
+forbids unknown keys; variants are discriminated unions on ``type``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _variant(default: str) -> Discriminator:
+    """Discriminate on ``type``; a section that omits ``type`` gets the default variant."""
+
+    def tag(value: Any) -> str:
+        if isinstance(value, dict):
+            return str(value.get("type", default))
+        return str(getattr(value, "type", default))
+
+    return Discriminator(tag)
+
+
+# --------------------------------------------------------------------------- model
+
+
+class TinyModelConfig(Strict):
+    """A tiny Llama-style model and character tokenizer built offline, then warmed up with SFT."""
+
+    type: Literal["tiny"] = "tiny"
+    hidden_size: int = Field(64, gt=0, description="Width of the residual stream.")
+    num_layers: int = Field(2, gt=0, description="Transformer blocks.")
+    num_heads: int = Field(4, gt=0, description="Attention heads.")
+    warmup_steps: int = Field(
+        400, ge=0, description="Supervised warm-up steps on the task's train split (a cap when a target is set)."
+    )
+    warmup_lr: float = Field(3e-3, gt=0, description="Learning rate of the warm-up.")
+    warmup_batch_size: int = Field(64, gt=0, description="Batch size of the warm-up.")
+    warmup_target_accuracy: float | None = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="Stop the warm-up once greedy held-out accuracy reaches this (checked every 10 steps); "
+        "None: run all warmup_steps.",
+    )
+    seed: int = Field(0, description="Seed of the random init and of the warm-up batch order.")
+    cache_dir: str | None = Field(
+        None, description="Where built models are cached (default: ~/.cache/miles/models); keyed by config hash."
+    )
+
+
+class PretrainedModelConfig(Strict):
+    """A real HF checkpoint on disk (``from_pretrained``); no hub access is attempted."""
+
+    type: Literal["pretrained"] = "pretrained"
+    path: str = Field(description="Directory with config.json, weights and tokenizer files.")
+
+
+ModelConfig = Annotated[
+    Annotated[TinyModelConfig, Tag("tiny")] | Annotated[PretrainedModelConfig, Tag("pretrained")], _variant("tiny")
+]
+
+
+# --------------------------------------------------------------------------- task
+
+
+class ArithmeticTaskConfig(Strict):
+    """Built-in verifiable task: integer arithmetic with an exact-answer reward."""
+
+    type: Literal["arithmetic"] = "arithmetic"
+    operations: list[Literal["+", "-", "*"]] = Field(["+"], description="Operators to draw from.")
+    max_operand: int = Field(30, gt=0, description="Operands are drawn from [0, max_operand].")
+    train_size: int = Field(4000, gt=0, description="Number of training prompts.")
+    eval_size: int = Field(200, gt=0, description="Number of held-out prompts (disjoint from train).")
+    seed: int = Field(0, description="Seed of the problem generator.")
+
+
+class JsonlTaskConfig(Strict):
+    """User task: JSONL files of prompts and a reward function given by import path."""
+
+    type: Literal["jsonl"] = "jsonl"
+    train_path: str = Field(description="JSONL file of training rows.")
+    eval_path: str = Field(description="JSONL file of held-out rows.")
+    reward: str = Field(description="Reward function 'package.module:function(completion, sample) -> float'.")
+    prompt_field: str = Field("prompt", description="Row key holding the prompt text.")
+    answer_field: str = Field("answer", description="Row key holding the reference answer.")
+
+
+TaskConfig = Annotated[
+    Annotated[ArithmeticTaskConfig, Tag("arithmetic")] | Annotated[JsonlTaskConfig, Tag("jsonl")],
+    _variant("arithmetic"),
+]
+
+
+# --------------------------------------------------------------------------- rollout
+
+
+class SamplingConfig(Strict):
+    max_new_tokens: int = Field(8, gt=0, description="Generation budget per completion.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+
+
+class TorchEngineConfig(Strict):
+    """Embedded HF-transformers engine (CPU or GPU)."""
+
+    type: Literal["torch"] = "torch"
+    device: str = Field("cpu", description="torch device for generation.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype.")
+    threads: int | None = Field(1, description="torch intra-op threads per rollout process (None: torch default).")
+
+
+class SglangEngineConfig(Strict):
+    """An SGLang server driven over HTTP (GPU nodes)."""
+
+    type: Literal["sglang"] = "sglang"
+    url: str = Field(description="Base URL of the SGLang server, e.g. http://127.0.0.1:30000.")
+    timeout_s: float = Field(600.0, gt=0, description="HTTP timeout per request.")
+
+
+EngineConfig = Annotated[
+    Annotated[TorchEngineConfig, Tag("torch")] | Annotated[SglangEngineConfig, Tag("sglang")], _variant("torch")
+]
+
+
+class RolloutConfig(Strict):
+    workers: int = Field(2, ge=1, description="Rollout worker processes `miles run` starts.")
+    engine: EngineConfig = Field(default_factory=TorchEngineConfig, description="Generation engine.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling for training rollouts.")
+    group_size: int = Field(8, ge=1, description="Completions sampled per prompt (a GRPO group).")
+    groups_per_batch: int = Field(4, ge=1, description="Prompt groups a worker generates in one batched call.")
+
+
+# --------------------------------------------------------------------------- trainer
+
+
+class AlgoConfig(Strict):
+    """GRPO advantages with a PPO-clip objective."""
+
+    advantage: Literal["grpo", "grpo_no_std"] = Field("grpo", description="Group-normalised advantages.")
+    clip_low: float = Field(0.2, ge=0, description="PPO ratio lower clip: 1 - clip_low.")
+    clip_high: float = Field(0.28, ge=0, description="PPO ratio upper clip: 1 + clip_high (clip-higher).")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL penalty to the reference policy.")
+    entropy_coef: float = Field(0.0, description="Weight of the entropy bonus.")
+    aggregation: Literal["token", "sequence"] = Field(
+        "token", description="Average the loss over all tokens of the batch, or per sequence then over sequences."
+    )
+
+
+class FsdpBackendConfig(Strict):
+    """torch FSDP2 data parallel (gloo on CPU, NCCL on GPU)."""
+
+    type: Literal["fsdp"] = "fsdp"
+    device: str = Field("cpu", description="'cpu' or 'cuda'.")
+    threads: int | None = Field(1, description="torch intra-op threads per trainer rank (None: torch default).")
+    micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Sequences per forward/backward on a rank; gradients accumulate into one optimizer step "
+        "(None: the rank's whole shard at once).",
+    )
+
+
+class MegatronBackendConfig(Strict):
+    """megatron-core at scale (GPU only)."""
+
+    type: Literal["megatron"] = "megatron"
+    tensor_parallel: int = Field(1, ge=1)
+    pipeline_parallel: int = Field(1, ge=1)
+    expert_parallel: int = Field(1, ge=1)
+
+
+BackendConfig = Annotated[
+    Annotated[FsdpBackendConfig, Tag("fsdp")] | Annotated[MegatronBackendConfig, Tag("megatron")], _variant("fsdp")
+]
+
+
+class TrainerConfig(Strict):
+    backend: BackendConfig = Field(default_factory=FsdpBackendConfig, description="Training backend.")
+    ranks: int = Field(1, ge=1, description="Data-parallel ranks `miles run` starts.")
+    steps: int = Field(40, ge=1, description="Optimizer steps (= policy versions) to train.")
+    groups_per_step: int = Field(8, ge=1, description="Prompt groups per optimizer step.")
+    lr: float = Field(2e-3, gt=0, description="AdamW learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    eval_every: int = Field(10, ge=0, description="Steps between held-out evaluations (0: only before and after).")
+    seed: int = Field(0, description="Seed of model init and sampling in the trainer.")
+
+
+# --------------------------------------------------------------------------- staleness / sync / bus
+
+
+class StalenessConfig(Strict):
+    max_staleness: int = Field(
+        2, ge=0, description="eta: a trained token is at most this many versions old (0 = synchronous on-policy)."
+    )
+    on_stale: Literal["drop", "requeue"] = Field(
+        "requeue", description="What the trainer does with a trajectory older than the bound: drop, or re-issue it."
+    )
+
+
+class SyncConfig(Strict):
+    mode: Literal["full"] = Field("full", description="Weight-sync mode.")
+    dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="Rollout precision of published weights.")
+    keep_versions: int = Field(3, ge=1, description="Weight payloads kept in the data plane.")
+
+
+class BusConfig(Strict):
+    nats_url: str | None = Field(None, description="Join this NATS server/cluster; None starts an embedded one.")
+    creds: str | None = Field(None, description="NATS credentials file.")
+    tls_ca: str | None = Field(None, description="CA bundle for TLS.")
+    tls_cert: str | None = Field(None, description="Client certificate for mutual TLS.")
+    tls_key: str | None = Field(None, description="Client key for mutual TLS.")
+    replicas: int = Field(1, ge=1, le=5, description="JetStream stream replicas (3 on a cluster).")
+    ack_wait_s: float = Field(30.0, gt=0, description="Redelivery delay of an unacked prompt or trajectory.")
+    heartbeat_s: float = Field(1.0, gt=0, description="Actor heartbeat period.")
+    max_payload_mb: int = Field(8, ge=1, description="max_payload of the embedded server (weight chunk size follows).")
+
+
+class RunConfig(Strict):
+    """Top of the tree: one run."""
+
+    name: str = Field("miles", pattern=r"^[A-Za-z0-9_-]+$", description="Run id; prefixes every stream and bucket.")
+    seed: int = Field(0, description="Global seed.")
+    model: ModelConfig = Field(default_factory=TinyModelConfig)
+    task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    staleness: StalenessConfig = Field(default_factory=StalenessConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    bus: BusConfig = Field(default_factory=BusConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        if self.trainer.groups_per_step % self.trainer.ranks:
+            raise ValueError(
+                f"trainer.groups_per_step ({self.trainer.groups_per_step}) must be divisible by "
+                f"trainer.ranks ({self.trainer.ranks})"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class ConfigError(Exception):
+    """A recipe or override that cannot be loaded; the message is one line naming the problem."""
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not of the form dotted.key=value")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override '{item}' has an empty key segment")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override '{item}': value is not valid YAML ({exc.__class__.__name__})") from None
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set ``a.b.c=value`` items into a nested dict (values parsed as YAML scalars/lists)."""
+    for item in overrides:
+        parts, value = _parse_override(item)
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{item}': '{part}' is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-after"))
+    # Discriminated unions put the tag ('tiny', 'fsdp') in the location; drop it for readability.
+    loc = ".".join(
+        p
+        for p in loc.split(".")
+        if p not in {"tiny", "pretrained", "arithmetic", "jsonl", "torch", "sglang", "fsdp", "megatron"}
+    )
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    extra = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    where = f"{loc}: " if loc else ""
+    return f"{source}: {where}{msg}{extra}"
+
+
+def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a recipe (or the defaults when ``recipe`` is None) and apply dotted overrides.
+
+    Raises :class:`ConfigError` with a one-line message naming the file and field.
+    """
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if recipe is not None:
+        path = Path(recipe)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: recipe file not found")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            line = f" line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{path}:{line} is not valid YAML") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+        data = loaded
+    data = apply_overrides(data, overrides or [])
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err, source)) from None
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved config as YAML (written into every run directory)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

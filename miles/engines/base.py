@@ -1,0 +1,52 @@
+"""The generation-engine interface every rollout backend implements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to sample one completion. ``temperature == 0`` means greedy."""
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Generation:
+    """One sampled completion.
+
+    ``logprobs[i]`` is the behaviour log-probability of ``output_ids[i]`` under the sampling
+    distribution the engine actually drew from (temperature applied, before top-p truncation),
+    which is what off-policy corrections need.
+    """
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+    weight_version: int
+
+
+class Engine(Protocol):
+    """A policy that samples tokens at a known weight version."""
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights currently used for generation."""
+        ...
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """Sample one completion per prompt (batched). Blocking; actors call it in a worker thread."""
+        ...
+
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Swap in a full set of weights (names as in the HF state dict) and adopt ``version``."""
+        ...

@@ -1,0 +1,172 @@
+"""``miles run``: every actor of a run as local processes, on an embedded (or given) NATS server.
+
+The launcher is only a process supervisor plus a progress view: the actors are the same
+``miles-node`` processes one would start by hand on many machines, and they talk only over the
+bus. The run ends when the controller exits; a crashed actor ends it with a non-zero status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from miles.config import RunConfig, dump_config
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def node_command(role: str, config_path: Path, run_dir: Path, nats_url: str, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "miles.node",
+        "--role",
+        role,
+        "--config",
+        str(config_path),
+        "--run-dir",
+        str(run_dir),
+        "--nats-url",
+        nats_url,
+        *extra,
+    ]
+
+
+def _spawn(name: str, cmd: list[str], run_dir: Path) -> Child:
+    log_path = run_dir / "logs" / f"{name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(
+        os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"
+    )
+    handle = open(log_path, "ab")
+    proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    handle.close()
+    return Child(name, proc, log_path)
+
+
+def spawn_actors(cfg: RunConfig, config_path: Path, run_dir: Path, nats_url: str) -> list[Child]:
+    """Controller, rollout workers and trainer ranks as separate OS processes."""
+    children = [
+        _spawn(
+            "controller",
+            node_command("controller", config_path, run_dir, nats_url, "--actor-id", "controller"),
+            run_dir,
+        )
+    ]
+    for i in range(cfg.rollout.workers):
+        cmd = node_command("rollout", config_path, run_dir, nats_url, "--actor-id", f"rollout-{i}")
+        children.append(_spawn(f"rollout-{i}", cmd, run_dir))
+    port = free_port()
+    for rank in range(cfg.trainer.ranks):
+        cmd = node_command(
+            "trainer",
+            config_path,
+            run_dir,
+            nats_url,
+            "--actor-id",
+            f"trainer-{rank}",
+            "--rank",
+            str(rank),
+            "--world-size",
+            str(cfg.trainer.ranks),
+            "--master-port",
+            str(port),
+        )
+        children.append(_spawn(f"trainer-{rank}", cmd, run_dir))
+    return children
+
+
+def stop_children(children: list[Child], grace_s: float = 20.0) -> None:
+    """SIGTERM (drain), then SIGKILL whatever is still alive after ``grace_s``."""
+    for c in children:
+        if c.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(c.proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for c in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        if c.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(c.proc.pid, signal.SIGKILL)
+            c.proc.wait()
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def prepare_run_dir(cfg: RunConfig, run_dir: Path) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.yaml"
+    config_path.write_text(dump_config(cfg))
+    return config_path
+
+
+async def run_local(cfg: RunConfig, run_dir: Path, nats_url: str | None, *, quiet: bool = False) -> int:
+    """Run a whole job on this machine; returns the process exit status."""
+    from miles.bus.server import EmbeddedNats
+    from miles.progress import ProgressView
+
+    config_path = prepare_run_dir(cfg, run_dir)
+    async with contextlib.AsyncExitStack() as stack:
+        if nats_url is None:
+            server = await stack.enter_async_context(EmbeddedNats(run_dir, max_payload=cfg.bus.max_payload_mb * 2**20))
+            nats_url = server.url
+        children = spawn_actors(cfg, config_path, run_dir, nats_url)
+        view = ProgressView(cfg, nats_url, quiet=quiet)
+        try:
+            status = await _supervise(children, view)
+        finally:
+            await asyncio.to_thread(stop_children, children)
+            await view.close()
+    summary_path = run_dir / "summary.json"
+    if status == 0 and summary_path.exists():
+        summary = json.loads(summary_path.read_text())
+        view.print_summary(summary, run_dir)
+    return status
+
+
+async def _supervise(children: list[Child], view) -> int:  # type: ignore[no-untyped-def]
+    controller = children[0]
+    await view.start()
+    while True:
+        await asyncio.sleep(0.5)
+        await view.refresh()
+        if controller.proc.poll() is not None:
+            if controller.proc.returncode == 0:
+                return 0
+            view.fail(f"controller exited with status {controller.proc.returncode}", _tail(controller.log_path))
+            return 1
+        for c in children[1:]:
+            code = c.proc.poll()
+            if code is not None and code != 0:
+                view.fail(f"{c.name} exited with status {code} (log: {c.log_path})", _tail(c.log_path))
+                return 1

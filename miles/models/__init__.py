@@ -1,0 +1,1 @@
+"""Models: locating/loading checkpoints and the offline tiny model (tokenizer + warmed-up Llama)."""

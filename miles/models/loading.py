@@ -1,0 +1,101 @@
+"""Locating, loading and tokenising for every process of a run.
+
+Rollout workers, the trainer, evaluation and the tiny-model warm-up all go through
+:func:`encode_prompt` and :func:`stop_token_ids`, so that a prompt is the same token sequence
+everywhere: a mismatch there would silently make behaviour and training log-probs disagree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from miles.config import ArithmeticTaskConfig, JsonlTaskConfig, PretrainedModelConfig, TinyModelConfig
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+# End-of-turn tokens of common chat templates; treated as stop tokens when the vocabulary has them.
+_EXTRA_STOP_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A pretrained model path that does not hold a loadable checkpoint."""
+
+
+def resolve_model_dir(
+    model_cfg: TinyModelConfig | PretrainedModelConfig, task_cfg: ArithmeticTaskConfig | JsonlTaskConfig
+) -> Path:
+    """Directory holding ``config.json``, weights and tokenizer for ``model_cfg``.
+
+    The tiny model is built (or found in the cache) for ``task_cfg``; a pretrained path is only
+    checked, never downloaded.
+    """
+    if model_cfg.type == "tiny":
+        from miles.models.tiny import ensure_tiny_model
+
+        return ensure_tiny_model(model_cfg, task_cfg)
+    path = Path(model_cfg.path).expanduser()
+    if not path.is_dir():
+        raise ModelNotFoundError(f"model.path {str(path)!r} is not a directory (no hub downloads are attempted)")
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"model.path {str(path)!r} has no config.json; is it a Hugging Face checkpoint?")
+    return path
+
+
+def to_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``'bfloat16'`` -> ``torch.bfloat16``; torch dtypes pass through."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, dtype, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return value
+
+
+def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer from local files, left-padding (batched generation needs it)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_policy(
+    model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Model (eval mode, on ``device``, in ``dtype``) and tokenizer, from local files only."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=to_torch_dtype(dtype), local_files_only=True)
+    model.to(device)
+    model.eval()
+    return model, load_tokenizer(model_dir)
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    """Token ids of ``prompt`` with the BOS token first (when the tokenizer has one) and nothing appended."""
+    ids: list[int] = list(tokenizer.encode(prompt, add_special_tokens=False))
+    bos = tokenizer.bos_token_id
+    if bos is not None and (not ids or ids[0] != bos):
+        ids.insert(0, bos)
+    return ids
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """EOS plus any end-of-turn tokens the vocabulary defines, deduplicated, EOS first."""
+    ids: list[int] = []
+    eos: Any = tokenizer.eos_token_id
+    if isinstance(eos, int):
+        ids.append(eos)
+    elif isinstance(eos, list):
+        ids.extend(int(i) for i in eos)
+    vocab = tokenizer.get_vocab()
+    for token in _EXTRA_STOP_TOKENS:
+        if token in vocab:
+            ids.append(int(vocab[token]))
+    return list(dict.fromkeys(ids))

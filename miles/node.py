@@ -1,0 +1,147 @@
+"""``miles-node --role ROLE``: one actor process of a run (controller, rollout, trainer, monitor).
+
+Config is parsed before torch is imported, so ``--help`` and config errors are instant.
+Examples (one nats-server reachable at $NATS)::
+
+    miles-node --role controller --config recipes/quickstart.yaml --run-dir runs/q --nats-url $NATS
+    miles-node --role rollout    --config recipes/quickstart.yaml --run-dir runs/q --nats-url $NATS --actor-id w0
+    miles-node --role trainer    --config recipes/quickstart.yaml --run-dir runs/q --nats-url $NATS \\
+        --rank 0 --world-size 2 --master-addr 10.0.0.5 --master-port 29500
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from miles.config import ConfigError, RunConfig, load_config
+
+ROLES = ("controller", "rollout", "trainer", "monitor")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="miles-node", description="Run one Miles actor process.")
+    p.add_argument("--role", required=True, choices=ROLES, help="Which actor this process runs.")
+    p.add_argument("--config", "-c", help="YAML recipe (defaults if omitted).")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Dotted config override, e.g. --set trainer.lr=2e-5 (repeatable).",
+    )
+    p.add_argument("--run-dir", default="runs/default", help="Run directory (logs, checkpoints, metrics).")
+    p.add_argument("--nats-url", default=os.environ.get("NATS_URL"), help="NATS server to join (or $NATS_URL).")
+    p.add_argument("--actor-id", help="Unique id of this actor (default: role-hostname-pid).")
+    p.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)), help="Trainer rank.")
+    p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)), help="Trainer ranks.")
+    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"), help="Rank-0 address.")
+    p.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", 29500)), help="Rank-0 port.")
+    p.add_argument("--json", action="store_true", help="monitor: print JSON snapshots instead of a live view.")
+    p.add_argument("--once", action="store_true", help="monitor: print one snapshot and exit.")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"miles-node: error: {exc}", file=sys.stderr)
+        return 2
+    if not args.nats_url:
+        print(
+            "miles-node: error: --nats-url (or $NATS_URL) is required; `miles run` starts an embedded server",
+            file=sys.stderr,
+        )
+        return 2
+    actor_id = args.actor_id or f"{args.role}-{socket.gethostname()}-{os.getpid()}"
+    if args.role == "trainer" and args.world_size > 1:
+        actor_id = f"{actor_id}-r{args.rank}" if args.actor_id else actor_id
+
+    from miles.logs import configure_logging
+
+    configure_logging()
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if args.role == "trainer" and args.rank > 0:
+        return _run_trainer_follower(cfg, args)
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - non-POSIX
+        runner = asyncio.run
+    return runner(_run_actor(cfg, args, actor_id, run_dir))
+
+
+async def _run_actor(cfg: RunConfig, args: argparse.Namespace, actor_id: str, run_dir: Path) -> int:
+    from miles.bus.client import Bus
+
+    bus = await Bus.open(cfg.bus, args.nats_url, cfg.name, actor_id)
+    try:
+        actor = _build_actor(cfg, args, bus, run_dir)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, actor.request_stop, f"signal {sig.name}")
+        await actor.run()
+    finally:
+        await bus.close()
+    return 0
+
+
+def _build_actor(cfg: RunConfig, args: argparse.Namespace, bus, run_dir: Path):  # type: ignore[no-untyped-def]
+    if args.role == "controller":
+        from miles.actors.controller import Controller
+
+        return Controller(cfg, bus, run_dir)
+    if args.role == "rollout":
+        from miles.actors.rollout import RolloutWorker
+
+        _limit_threads(cfg.rollout.engine.threads if cfg.rollout.engine.type == "torch" else None)
+        return RolloutWorker(cfg, bus, run_dir)
+    if args.role == "monitor":
+        from miles.actors.monitor import Monitor
+
+        return Monitor(cfg, bus, run_dir, as_json=args.json, once=args.once)
+    from miles.actors.trainer import TrainerLeader
+    from miles.actors.trainer_ranks import LeaderRanks
+
+    backend = _build_backend(cfg, args)
+    return TrainerLeader(cfg, bus, run_dir, ranks=LeaderRanks(backend, args.world_size))
+
+
+def _limit_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _build_backend(cfg: RunConfig, args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """Initialise torch.distributed (when several ranks) and the training backend on this rank."""
+    from miles.backends.registry import build_backend
+
+    if cfg.trainer.backend.type == "fsdp":
+        _limit_threads(cfg.trainer.backend.threads)
+    return build_backend(
+        cfg, rank=args.rank, world_size=args.world_size, master_addr=args.master_addr, master_port=args.master_port
+    )
+
+
+def _run_trainer_follower(cfg: RunConfig, args: argparse.Namespace) -> int:
+    from miles.actors.trainer_ranks import follow_leader
+
+    backend = _build_backend(cfg, args)
+    follow_leader(backend, args.rank)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

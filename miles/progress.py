@@ -1,0 +1,131 @@
+"""Terminal progress of a ``miles run``: a live bar on a terminal, one line per step otherwise.
+
+It reads the run's METRICS stream like any other observer; nothing here is needed by the actors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from miles.bus.schema import EvalResult, SchemaError, StepMetrics, decode_any
+from miles.config import RunConfig
+
+
+class ProgressView:
+    def __init__(self, cfg: RunConfig, nats_url: str, *, quiet: bool = False) -> None:
+        self.cfg = cfg
+        self.nats_url = nats_url
+        self.quiet = quiet
+        self.console = Console(stderr=True)
+        self.live = self.console.is_terminal and not quiet
+        self._nc: Any = None
+        self._sub: Any = None
+        self._progress: Progress | None = None
+        self._task: Any = None
+        self.last_eval: float | None = None
+
+    async def start(self) -> None:
+        from miles.bus.connect import connect
+        from miles.bus.subjects import Subjects
+
+        subjects = Subjects(self.cfg.name)
+        self.console.print(
+            f"[bold]miles run[/] {self.cfg.name}: {self.cfg.trainer.steps} steps, "
+            f"{self.cfg.rollout.workers} rollout workers, {self.cfg.trainer.ranks} trainer rank(s), "
+            f"max_staleness={self.cfg.staleness.max_staleness}; bus {self.nats_url}"
+        )
+        self._nc = await connect(self.nats_url, name=f"{self.cfg.name}:launcher")
+        js = self._nc.jetstream()
+        # The metrics stream is created by the actors; wait until one of them has done so.
+        for _ in range(600):
+            try:
+                self._sub = await js.subscribe(subjects.metrics_all, ordered_consumer=True)
+                break
+            except Exception:
+                await asyncio.sleep(0.2)
+        if self.live:
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                console=self.console,
+                transient=False,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=self.cfg.trainer.steps, info="starting actors...")
+
+    async def refresh(self) -> None:
+        if self._sub is None:
+            return
+        while True:
+            try:
+                msg = await self._sub.next_msg(timeout=0.01)
+            except (asyncio.TimeoutError, Exception):
+                return
+            with contextlib.suppress(SchemaError):
+                self._show(decode_any(msg.data))
+
+    def _show(self, message: Any) -> None:
+        if isinstance(message, EvalResult):
+            self.last_eval = message.accuracy
+            if not self.live:
+                self.console.print(f"eval  version {message.policy_version}: accuracy {message.accuracy:.3f}")
+            return
+        if not isinstance(message, StepMetrics):
+            return
+        m = message.metrics
+        lag_max = max(message.staleness, default=0)
+        lag_mean = sum(message.staleness) / max(1, len(message.staleness))
+        info = (
+            f"reward {m.get('reward_mean', 0):.3f} | staleness {lag_mean:.2f} (max {lag_max}) | "
+            f"{m.get('tokens_per_s', 0):.0f} tok/s | {m.get('step_s', 0):.2f} s/step"
+        )
+        if self.last_eval is not None:
+            info += f" | eval {self.last_eval:.3f}"
+        if self._progress is not None:
+            self._progress.update(self._task, completed=message.step + 1, info=info)
+        elif not self.quiet:
+            self.console.print(f"step {message.step + 1}/{self.cfg.trainer.steps} | {info}")
+
+    def fail(self, what: str, tail: str) -> None:
+        self._stop_bar()
+        self.console.print(f"[bold red]miles run failed:[/] {what}")
+        if tail:
+            self.console.print(tail, markup=False, highlight=False)
+
+    def print_summary(self, summary: dict[str, Any], run_dir: Path) -> None:
+        keys = (
+            "eval_before",
+            "eval_after",
+            "steps",
+            "wall_s",
+            "staleness_mean",
+            "staleness_max",
+            "trajectories_trained",
+            "trajectories_dropped",
+            "dead_lettered",
+        )
+        parts = [f"{k}={summary.get(k)!r}" for k in keys]
+        print("summary: " + " ".join(parts), file=sys.stderr)
+        print(f"run directory: {run_dir} (metrics.jsonl, summary.json, logs/)", file=sys.stderr)
+
+    def _stop_bar(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    async def close(self) -> None:
+        await self.refresh()
+        self._stop_bar()
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.close()

@@ -1,0 +1,1 @@
+"""Weight sync: trainer publishes versioned payloads, rollout workers fetch, verify and apply."""

@@ -1,0 +1,1 @@
+"""Tasks: datasets of prompts plus a verifiable reward."""

@@ -1,0 +1,172 @@
+"""Helpers for end-to-end tests: real nats-server, real ``miles-node`` processes, a run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from miles.config import RunConfig, dump_config, load_config
+from miles.launch import free_port
+
+
+def small_run_config(model_cache: Path, name: str, **overrides: Any) -> RunConfig:
+    """A run small enough for CI: tiny model, short warm-up, few steps, quick redelivery."""
+    sets = {
+        "name": name,
+        "model.hidden_size": 32,
+        "model.num_layers": 1,
+        "model.num_heads": 2,
+        "model.warmup_steps": 40,
+        "model.cache_dir": str(model_cache),
+        "task.max_operand": 9,
+        "task.train_size": 300,
+        "task.eval_size": 40,
+        "rollout.workers": 2,
+        "rollout.group_size": 4,
+        "rollout.groups_per_batch": 2,
+        "rollout.sampling.max_new_tokens": 3,
+        "trainer.steps": 6,
+        "trainer.groups_per_step": 4,
+        "trainer.eval_every": 3,
+        "staleness.max_staleness": 1,
+        "bus.ack_wait_s": 4.0,
+        "bus.heartbeat_s": 0.5,
+    }
+    sets.update({k: v for k, v in overrides.items()})
+    return load_config(None, [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip()}" for k, v in sets.items()])
+
+
+@dataclass
+class Cluster:
+    """Actor processes of one run, started by hand as ``miles-node`` (what a multi-machine user does)."""
+
+    cfg: RunConfig
+    run_dir: Path
+    nats_url: str
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path = self.run_dir / "config.yaml"
+        self.config_path.write_text(dump_config(self.cfg))
+        self.master_port = free_port()
+
+    def start(self, name: str, role: str, *extra: str) -> subprocess.Popen:
+        log = open(self.run_dir / f"{name}.log", "ab")
+        cmd = [
+            sys.executable,
+            "-m",
+            "miles.node",
+            "--role",
+            role,
+            "--config",
+            str(self.config_path),
+            "--run-dir",
+            str(self.run_dir),
+            "--nats-url",
+            self.nats_url,
+            "--actor-id",
+            name,
+            *extra,
+        ]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def start_trainer(self, ranks: int = 1, suffix: str = "") -> None:
+        for rank in range(ranks):
+            self.start(
+                f"trainer{suffix}-{rank}",
+                "trainer",
+                "--rank",
+                str(rank),
+                "--world-size",
+                str(ranks),
+                "--master-port",
+                str(self.master_port),
+            )
+
+    def start_all(self, rollouts: int = 2, ranks: int = 1) -> None:
+        self.start("controller", "controller")
+        for i in range(rollouts):
+            self.start(f"rollout-{i}", "rollout")
+        self.start_trainer(ranks)
+
+    def kill(self, name: str) -> None:
+        self.procs[name].send_signal(signal.SIGKILL)
+        self.procs[name].wait(timeout=30)
+
+    def log(self, name: str) -> str:
+        return (self.run_dir / f"{name}.log").read_text(errors="replace")
+
+    def wait_for(self, predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            for name, proc in self.procs.items():
+                code = proc.poll()
+                if code not in (None, 0, -signal.SIGKILL):
+                    raise AssertionError(
+                        f"{name} exited with {code} while waiting for {what}:\n{self.log(name)[-3000:]}"
+                    )
+            time.sleep(0.5)
+        tails = "\n".join(f"--- {n}\n{self.log(n)[-1500:]}" for n in self.procs)
+        raise AssertionError(f"timed out after {timeout_s}s waiting for {what}\n{tails}")
+
+    def steps_recorded(self) -> int:
+        path = self.run_dir / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    def summary(self) -> dict[str, Any]:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+    def ledger(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in (self.run_dir / "groups.jsonl").read_text().splitlines()]
+
+    def wait_all_exit(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for name, proc in self.procs.items():
+            if proc.poll() is None:
+                try:
+                    proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise AssertionError(f"{name} did not exit after the run:\n{self.log(name)[-2000:]}") from None
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+
+
+def check_accounting(cluster: Cluster) -> dict[str, set[str]]:
+    """Every issued group is trained once, discarded, or still outstanding within the admission window."""
+    events: dict[str, set[str]] = {"issued": set(), "trained": set(), "dropped": set(), "requeued": set()}
+    trained_list: list[str] = []
+    for row in cluster.ledger():
+        events[row["event"]].add(row["group_id"])
+        if row["event"] == "trained":
+            trained_list.append(row["group_id"])
+    assert len(trained_list) == len(set(trained_list)), "a group was trained twice"
+    assert events["trained"] <= events["issued"]
+    assert not (events["trained"] & (events["dropped"] | events["requeued"]))
+    outstanding = events["issued"] - events["trained"] - events["dropped"] - events["requeued"]
+    cfg = cluster.cfg
+    assert len(outstanding) <= (cfg.staleness.max_staleness + 1) * cfg.trainer.groups_per_step
+    summary = cluster.summary()
+    assert summary["groups_issued"] == len(events["issued"])
+    assert summary["groups_outstanding"] == len(outstanding)
+    return events

@@ -1,0 +1,265 @@
+"""FsdpBackend on a tiny random Llama: learning signal, DP equivalence, exact resume, export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from miles.backends.base import TrainSample
+from miles.backends.distributed import distributed, find_free_port
+from miles.backends.fsdp import FsdpBackend
+from miles.config import AlgoConfig, FsdpBackendConfig, TrainerConfig
+
+PAD = 0
+VOCAB = 20
+
+
+def tiny_model(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def trainer_cfg(micro_batch_size: int | None = None, lr: float = 1e-3, **algo: Any) -> TrainerConfig:
+    """lr is small by default: Adam's first step maps a gradient g to ~lr * g / (|g| + eps), which
+    amplifies float-rounding differences of near-zero gradients, and the equivalence tests compare
+    updated weights to 1e-5."""
+    return TrainerConfig(
+        lr=lr,
+        algo=AlgoConfig(**algo),
+        backend=FsdpBackendConfig(threads=1, micro_batch_size=micro_batch_size),
+    )
+
+
+def global_batch(step: int) -> list[TrainSample]:
+    """Six samples of different prompt/output lengths, advantages of both signs."""
+    g = torch.Generator().manual_seed(100 + step)
+    samples = []
+    for i, (p, o) in enumerate([(3, 4), (2, 6), (5, 1), (4, 3), (2, 2), (3, 5)]):
+        ids = torch.randint(1, VOCAB, (p + o,), generator=g).tolist()
+        behaviour = (-torch.rand(o, generator=g) * 3).tolist()
+        samples.append(
+            TrainSample(ids[:p], ids[p:], behaviour, advantage=(-1.0) ** i * (0.5 + i / 4), weight_version=0)
+        )
+    return samples
+
+
+def shard(samples: list[TrainSample], rank: int) -> list[TrainSample]:
+    """Uneven split on purpose (4 + 2), so micro-batch padding and global normalisation are exercised."""
+    return samples[:4] if rank == 0 else samples[4:]
+
+
+def weights(backend: FsdpBackend) -> dict[str, torch.Tensor]:
+    return backend.export_weights(torch.float32)
+
+
+# --------------------------------------------------------------------------- single process
+
+
+def test_positive_advantage_raises_logprob() -> None:
+    backend = FsdpBackend(tiny_model(), PAD, trainer_cfg(lr=1e-2), 0, 1)
+    sample = TrainSample([1, 2, 3], [4, 5, 6], [-3.0, -3.0, -3.0], advantage=1.0, weight_version=0)
+    other = TrainSample([7, 8], [9, 10], [-3.0, -3.0], advantage=-1.0, weight_version=0)
+    before = backend.logprobs([sample, other])
+    result = backend.train_step([sample, other])
+    after = backend.logprobs([sample, other])
+    assert sum(after[0]) > sum(before[0])
+    assert sum(after[1]) < sum(before[1])
+    assert result.metrics["num_tokens"] == 5 and result.metrics["num_sequences"] == 2
+    assert result.metrics["clip_frac"] == 0.0 and result.metrics["ppo_kl"] == 0.0  # proximal = current weights
+    assert result.metrics["logp_mismatch"] == pytest.approx(
+        sum(abs(lp + 3.0) for row in before for lp in row) / 5, rel=1e-5
+    )
+
+
+def test_micro_batches_match_one_batch() -> None:
+    whole = FsdpBackend(tiny_model(), PAD, trainer_cfg(), 0, 1)
+    micro = FsdpBackend(tiny_model(), PAD, trainer_cfg(micro_batch_size=4), 0, 1)
+    m_whole = whole.train_step(global_batch(0)).metrics
+    m_micro = micro.train_step(global_batch(0)).metrics
+    for key, value in m_whole.items():
+        assert m_micro[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for (name, a), b in zip(weights(whole).items(), weights(micro).values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
+
+
+def test_checkpoint_resume_is_bit_identical(tmp_path: Path) -> None:
+    cfg = trainer_cfg(kl_coef=0.1, entropy_coef=0.01)
+    uninterrupted = FsdpBackend(tiny_model(0), PAD, cfg, 0, 1)
+    uninterrupted.train_step(global_batch(0))
+    ckpt = tmp_path / "ckpt" / "step-1.pt"
+    uninterrupted.save_checkpoint(str(ckpt), {"version": 1, "bus": {"seq": 42}})
+    expected = uninterrupted.train_step(global_batch(1)).metrics
+
+    restored = FsdpBackend(tiny_model(seed=7), PAD, cfg, 0, 1)  # different init: everything must come from disk
+    assert restored.load_checkpoint(str(ckpt)) == {"version": 1, "bus": {"seq": 42}}
+    assert restored.train_step(global_batch(1)).metrics == expected
+    for (name, a), b in zip(weights(uninterrupted).items(), weights(restored).values(), strict=True):
+        assert torch.equal(a, b), name
+    assert [p.name for p in tmp_path.joinpath("ckpt").iterdir()] == ["step-1.pt"]  # no temp file left
+
+
+def test_export_weights_hf_names_and_dtype() -> None:
+    model = tiny_model()
+    expected_names = list(model.state_dict())
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    backend = FsdpBackend(model, PAD, trainer_cfg(), 0, 1)
+    exported = backend.export_weights(torch.bfloat16)
+    assert list(exported) == expected_names
+    assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in exported.values())
+    assert torch.equal(exported["lm_head.weight"], reference["lm_head.weight"].to(torch.bfloat16))
+    fresh = LlamaForCausalLM(model.config)
+    fresh.load_state_dict({k: v.float() for k, v in exported.items()})  # loadable by a plain HF model
+    backend.train_step(global_batch(0))
+    assert torch.equal(exported["lm_head.weight"], reference["lm_head.weight"].to(torch.bfloat16))  # a snapshot
+
+
+# --------------------------------------------------------------------------- two ranks
+
+
+STEPS = 2
+ALGOS: dict[str, dict[str, Any]] = {
+    "token_kl": {"aggregation": "token", "kl_coef": 0.1, "entropy_coef": 0.01},
+    "sequence": {"aggregation": "sequence"},
+}
+
+
+def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    results: dict[str, Any] = {}
+    with distributed(rank, world_size, "127.0.0.1", port, device="cpu", timeout_s=120):
+        backends: dict[str, FsdpBackend] = {}
+        for name, algo in ALGOS.items():
+            backend = backends[name] = FsdpBackend(
+                tiny_model(), PAD, trainer_cfg(micro_batch_size=2, **algo), rank, world_size
+            )
+            metrics = [backend.train_step(shard(global_batch(step), rank)).metrics for step in range(STEPS)]
+            results[name] = {
+                "metrics": metrics,
+                "weights": weights(backend),
+                "logprobs": backend.logprobs(shard(global_batch(0), rank)),
+            }
+
+        # Resume: save after STEPS, take one more step, then restore into a fresh differently-initialised backend.
+        backend = backends["token_kl"]
+        cfg = trainer_cfg(micro_batch_size=2, **ALGOS["token_kl"])
+        ckpt = str(Path(out_dir) / "ckpt.pt")
+        backend.save_checkpoint(ckpt, {"version": STEPS})
+        next_metrics = backend.train_step(shard(global_batch(STEPS), rank)).metrics
+        restored = FsdpBackend(tiny_model(seed=3), PAD, cfg, rank, world_size)
+        extra = restored.load_checkpoint(ckpt)
+        resumed_metrics = restored.train_step(shard(global_batch(STEPS), rank)).metrics
+        results["resume"] = {
+            "checkpoint": ckpt,
+            "extra": extra,
+            "next": next_metrics,
+            "resumed": resumed_metrics,
+            "weights": weights(backend),
+            "resumed_weights": weights(restored),
+        }
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out_dir = tmp_path_factory.mktemp("fsdp2")
+    mp.spawn(_rank_main, args=(2, find_free_port(), str(out_dir)), nprocs=2, join=True)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("algo", list(ALGOS))
+def test_two_ranks_match_one_rank(two_rank_results: list[dict[str, Any]], algo: str) -> None:
+    single = FsdpBackend(tiny_model(), PAD, trainer_cfg(**ALGOS[algo]), 0, 1)
+    single_metrics = [single.train_step(global_batch(step)).metrics for step in range(STEPS)]
+    rank0, rank1 = two_rank_results[0][algo], two_rank_results[1][algo]
+
+    assert rank1["weights"] == {}  # export is rank 0 only
+    expected = weights(single)
+    assert list(rank0["weights"]) == list(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(rank0["weights"][name], value, rtol=0, atol=1e-5, msg=name)
+    for step in range(STEPS):
+        assert rank0["metrics"][step] == rank1["metrics"][step]  # identical on every rank
+        for key, value in single_metrics[step].items():
+            assert rank0["metrics"][step][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
+
+    single_logprobs = single.logprobs(global_batch(0))
+    for got, want in zip(rank0["logprobs"] + rank1["logprobs"], single_logprobs, strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_two_rank_resume_is_bit_identical(two_rank_results: list[dict[str, Any]]) -> None:
+    for rank in range(2):
+        res = two_rank_results[rank]["resume"]
+        assert res["extra"] == {"version": STEPS}
+        assert res["resumed"] == res["next"]
+    rank0 = two_rank_results[0]["resume"]
+    assert rank0["weights"]
+    for name, value in rank0["weights"].items():
+        assert torch.equal(rank0["resumed_weights"][name], value), name
+
+
+def test_one_rank_process_group_shards_and_matches_unsharded() -> None:
+    """world_size 1 with a joined process group goes through fully_shard (a one-device mesh)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    plain = FsdpBackend(tiny_model(), PAD, trainer_cfg(kl_coef=0.1), 0, 1)
+    plain_metrics = plain.train_step(global_batch(0)).metrics
+    with distributed(0, 1, "127.0.0.1", find_free_port(), timeout_s=60):
+        sharded = FsdpBackend(tiny_model(), PAD, trainer_cfg(kl_coef=0.1), 0, 1)
+        assert sharded.sharded and isinstance(sharded.model, FSDPModule)
+        assert isinstance(sharded.ref_model, FSDPModule)
+        sharded_metrics = sharded.train_step(global_batch(0)).metrics
+        sharded_weights = weights(sharded)
+    for key, value in plain_metrics.items():
+        assert sharded_metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for name, value in weights(plain).items():
+        torch.testing.assert_close(sharded_weights[name], value, rtol=0, atol=1e-5, msg=name)
+
+
+def test_reference_model_only_with_kl() -> None:
+    assert FsdpBackend(tiny_model(), PAD, trainer_cfg(), 0, 1).ref_model is None
+    assert FsdpBackend(tiny_model(), PAD, trainer_cfg(kl_coef=0.05), 0, 1).ref_model is not None
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank(two_rank_results: list[dict[str, Any]]) -> None:
+    """Full state dicts make checkpoints independent of the rank count."""
+    res = two_rank_results[0]["resume"]
+    single = FsdpBackend(tiny_model(seed=5), PAD, trainer_cfg(**ALGOS["token_kl"]), 0, 1)
+    assert single.load_checkpoint(res["checkpoint"]) == {"version": STEPS}
+    metrics = single.train_step(global_batch(STEPS)).metrics
+    for key, value in res["next"].items():
+        assert metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    for name, value in weights(single).items():
+        torch.testing.assert_close(res["weights"][name], value, rtol=0, atol=1e-5, msg=name)
+
+
+def test_load_checkpoint_errors(tmp_path: Path) -> None:
+    plain = FsdpBackend(tiny_model(), PAD, trainer_cfg(), 0, 1)
+    plain.save_checkpoint(str(tmp_path / "plain.pt"), {})
+    with pytest.raises(ValueError, match="reference"):
+        FsdpBackend(tiny_model(), PAD, trainer_cfg(kl_coef=0.1), 0, 1).load_checkpoint(str(tmp_path / "plain.pt"))
+    torch.save({"something": 1}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="format"):
+        plain.load_checkpoint(str(tmp_path / "other.pt"))
+
+
+def test_logprobs_ignores_behaviour() -> None:
+    backend = FsdpBackend(tiny_model(), PAD, trainer_cfg(), 0, 1)
+    with_behaviour = TrainSample([1, 2], [3, 4], [-1.0, -1.0], 0.0, 0)
+    without = TrainSample([1, 2], [3, 4], [], 0.0, 0)
+    assert backend.logprobs([without]) == backend.logprobs([with_behaviour])

@@ -1,0 +1,114 @@
+"""The RL loop as separate ``miles-node`` processes against one real nats-server.
+
+Each test starts a controller, rollout workers and trainer ranks as OS processes, exactly as a
+multi-machine deployment would, and checks the run's record (summary.json, groups.jsonl).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from miles.bus.connect import connect
+from miles.bus.schema import SCHEMA_VERSION
+from miles.bus.server import EmbeddedNats
+
+from .harness import Cluster, check_accounting, small_run_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[EmbeddedNats]:
+    with EmbeddedNats(tmp_path / "bus") as srv:
+        yield srv
+
+
+def _cluster(tmp_path: Path, server: EmbeddedNats, model_cache: Path, name: str, **overrides: object) -> Cluster:
+    cfg = small_run_config(model_cache, name, **overrides)
+    from miles.models.loading import resolve_model_dir
+
+    resolve_model_dir(cfg.model, cfg.task)  # build once, before the processes race for it
+    return Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=server.url)
+
+
+async def _publish_garbage(url: str, run: str) -> int:
+    """Garbage bytes and well-formed messages of a wrong schema/kind on the trajectory subject."""
+    nc = await connect(url, name="garbage")
+    js = nc.jetstream()
+    payloads = [
+        b"\x00\xffnot msgpack at all",
+        msgpack.packb({"schema": SCHEMA_VERSION + 7, "kind": "trajectory"}),
+        msgpack.packb({"schema": SCHEMA_VERSION, "kind": "prompt_group", "group_id": "x"}),
+        msgpack.packb({"schema": SCHEMA_VERSION, "kind": "trajectory", "group_id": 5}),
+    ]
+    for p in payloads:
+        await js.publish(f"{run}.traj", p)
+    await js.publish(f"{run}.prompts", b"garbage prompt")
+    await nc.close()
+    return len(payloads) + 1
+
+
+def test_split_processes_two_ranks_with_garbage(tmp_path: Path, server: EmbeddedNats, model_cache: Path) -> None:
+    cluster = _cluster(tmp_path, server, model_cache, "split")
+    try:
+        cluster.start_all(rollouts=2, ranks=2)
+        cluster.wait_for(lambda: cluster.steps_recorded() >= 1, 240, "the first step")
+        injected = asyncio.run(_publish_garbage(server.url, cluster.cfg.name))
+        cluster.wait_for(lambda: (cluster.run_dir / "summary.json").exists(), 300, "the end of the run")
+        cluster.wait_all_exit(60)
+    finally:
+        cluster.stop()
+    summary = cluster.summary()
+    assert summary["steps"] == cluster.cfg.trainer.steps
+    assert summary["dead_lettered"] == injected
+    assert summary["staleness_max"] <= cluster.cfg.staleness.max_staleness
+    assert summary["trajectories_trained"] == cluster.cfg.trainer.steps * cluster.cfg.trainer.groups_per_step
+    assert 0.0 <= summary["eval_before"] <= 1.0 and 0.0 <= summary["eval_after"] <= 1.0
+    check_accounting(cluster)
+    for name, proc in cluster.procs.items():
+        assert proc.returncode == 0, f"{name} exited with {proc.returncode}"
+
+
+def test_rollout_worker_sigkill_loses_nothing(tmp_path: Path, server: EmbeddedNats, model_cache: Path) -> None:
+    cluster = _cluster(tmp_path, server, model_cache, "killw", **{"trainer.steps": 8})
+    try:
+        cluster.start_all(rollouts=2, ranks=1)
+        cluster.wait_for(lambda: cluster.steps_recorded() >= 2, 240, "two steps")
+        cluster.kill("rollout-0")
+        cluster.wait_for(lambda: (cluster.run_dir / "summary.json").exists(), 300, "the end of the run")
+        cluster.wait_all_exit(60)
+    finally:
+        cluster.stop()
+    summary = cluster.summary()
+    assert summary["steps"] == 8
+    assert summary["staleness_max"] <= cluster.cfg.staleness.max_staleness
+    events = check_accounting(cluster)
+    assert len(events["trained"]) == 8 * cluster.cfg.trainer.groups_per_step
+
+
+def test_trainer_sigkill_and_restart_resumes(tmp_path: Path, server: EmbeddedNats, model_cache: Path) -> None:
+    cluster = _cluster(tmp_path, server, model_cache, "killt", **{"trainer.steps": 8})
+    try:
+        cluster.start_all(rollouts=2, ranks=1)
+        cluster.wait_for(lambda: cluster.steps_recorded() >= 3, 240, "three steps")
+        cluster.kill("trainer-0")
+        cluster.start_trainer(ranks=1, suffix="b")
+        cluster.wait_for(lambda: (cluster.run_dir / "summary.json").exists(), 300, "the end of the run")
+        cluster.wait_all_exit(60)
+    finally:
+        cluster.stop()
+    assert "trainer_resumed" in cluster.log("trainerb-0")
+    summary = cluster.summary()
+    assert summary["steps"] == 8
+    events = check_accounting(cluster)  # no group trained twice, none lost
+    assert len(events["trained"]) == 8 * cluster.cfg.trainer.groups_per_step

@@ -1,0 +1,251 @@
+"""TorchEngine invariants on a real (random-init) tiny Llama: log-probs, stops, greedy, weight swaps."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+from miles.config import TinyModelConfig, TorchEngineConfig
+from miles.engines.base import SamplingParams
+from miles.engines.registry import build_engine
+from miles.engines.torch_engine import TorchEngine
+from miles.models import tiny
+from miles.models.loading import encode_prompt
+
+CFG = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4)
+PROMPTS_TEXT = ["1+2=", "13+27=", "7=", "30+30=", "0+0=", "9+11="]  # different lengths: left padding matters
+
+
+@pytest.fixture(scope="module")
+def tok() -> PreTrainedTokenizerFast:
+    return tiny.build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def prompts(tok: PreTrainedTokenizerFast) -> list[list[int]]:
+    return [encode_prompt(tok, p) for p in PROMPTS_TEXT]
+
+
+def make_model(tok: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
+    return tiny.build_tiny_model(CFG.model_copy(update={"seed": seed}), tok).eval()
+
+
+def make_engine(tok: PreTrainedTokenizerFast, seed: int = 0, **kw: object) -> TorchEngine:
+    return TorchEngine(make_model(tok, seed), tok.pad_token_id, **kw)  # type: ignore[arg-type]
+
+
+def teacher_forced_logprobs(model: LlamaForCausalLM, prompt: list[int], output: list[int], temp: float) -> list[float]:
+    """log_softmax(logits / T) of ``output`` given ``prompt``, from one unpadded, uncached forward."""
+    ids = torch.tensor([prompt + output])  # (1, P + N)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()  # (P + N, V)
+    logp = torch.log_softmax(logits / (temp if temp > 0 else 1.0), dim=-1)
+    steps = torch.arange(len(prompt) - 1, len(prompt) + len(output) - 1)
+    return logp[steps, torch.tensor(output)].tolist()
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9), (1.5, 1.0), (0.0, 1.0)])
+def test_logprobs_match_teacher_forced_recomputation(
+    tok: PreTrainedTokenizerFast, prompts: list[list[int]], temperature: float, top_p: float
+) -> None:
+    engine = make_engine(tok)
+    params = SamplingParams(max_new_tokens=6, temperature=temperature, top_p=top_p)
+    gens = engine.generate(prompts, params)
+    assert len(gens) == len(prompts)
+    for prompt, gen in zip(prompts, gens, strict=True):
+        assert gen.prompt_ids == prompt
+        assert len(gen.output_ids) == len(gen.logprobs) == 6 and gen.finish_reason == "length"
+        expected = teacher_forced_logprobs(engine.model, prompt, gen.output_ids, temperature)
+        assert gen.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def test_greedy_is_deterministic_argmax_and_batch_independent(
+    tok: PreTrainedTokenizerFast, prompts: list[list[int]]
+) -> None:
+    engine = make_engine(tok)
+    params = SamplingParams(max_new_tokens=5, temperature=0.0)
+    first = engine.generate(prompts, params)
+    assert [g.output_ids for g in engine.generate(prompts, params)] == [g.output_ids for g in first]
+    # Alone (no padding) gives the same tokens as inside the left-padded batch.
+    for prompt, gen in zip(prompts, first, strict=True):
+        assert engine.generate([prompt], params)[0].output_ids == gen.output_ids
+    # Each greedy token is the argmax of the teacher-forced logits.
+    prompt, out = prompts[1], first[1].output_ids
+    with torch.no_grad():
+        logits = engine.model(input_ids=torch.tensor([prompt + out])).logits[0]  # (P + N, V)
+    assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == out
+
+
+def test_sampling_is_reproducible_per_seed_and_tiny_top_p_is_greedy(
+    tok: PreTrainedTokenizerFast, prompts: list[list[int]]
+) -> None:
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    a = TorchEngine(make_model(tok, 0), tok.pad_token_id, seed=5)
+    b = TorchEngine(make_model(tok, 0), tok.pad_token_id, seed=5)
+    outs_a = [g.output_ids for g in a.generate(prompts * 4, params)]
+    assert outs_a == [g.output_ids for g in b.generate(prompts * 4, params)]
+    assert len({tuple(o) for o in outs_a}) > len(prompts)  # it does sample, not argmax
+    greedy = [g.output_ids for g in a.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.0))]
+    nucleus = [g.output_ids for g in a.generate(prompts, SamplingParams(max_new_tokens=6, top_p=1e-6))]
+    assert nucleus == greedy
+
+
+def test_stop_tokens_end_rows_individually(tok: PreTrainedTokenizerFast, prompts: list[list[int]]) -> None:
+    engine = make_engine(tok)
+    free = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0))
+    stop = free[0].output_ids[2]  # a token the first row emits at step 3
+    stopped = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=[stop]))
+    for f, s in zip(free, stopped, strict=True):
+        if stop in f.output_ids:
+            cut = f.output_ids.index(stop) + 1
+            assert s.output_ids == f.output_ids[:cut] and s.finish_reason == "stop"
+            assert s.logprobs == pytest.approx(f.logprobs[:cut], abs=1e-5)
+        else:
+            assert s.output_ids == f.output_ids and s.finish_reason == "length"
+    assert stopped[0].finish_reason == "stop" and len(stopped[0].output_ids) <= 3
+    # If every row stops at once the loop ends early, and an empty batch is fine.
+    every = engine.generate(prompts, SamplingParams(max_new_tokens=8, stop_token_ids=list(range(len(tok)))))
+    assert all(len(g.output_ids) == 1 and g.finish_reason == "stop" for g in every)
+    assert engine.generate([], SamplingParams()) == []
+
+
+def test_load_weights_swaps_model_and_propagates_version(
+    tok: PreTrainedTokenizerFast, prompts: list[list[int]]
+) -> None:
+    engine, other = make_engine(tok, 0), make_engine(tok, 1, version=7)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    before = engine.generate(prompts, params)
+    target = other.generate(prompts, params)
+    assert all(g.weight_version == 0 for g in before) and all(g.weight_version == 7 for g in target)
+    assert [g.output_ids for g in before] != [g.output_ids for g in target]
+
+    engine.load_weights(other.model.state_dict(), version=3)
+    after = engine.generate(prompts, params)
+    assert engine.version == 3 and all(g.weight_version == 3 for g in after)
+    assert [g.output_ids for g in after] == [g.output_ids for g in target]
+    assert all(p.dtype == torch.float32 for p in engine.model.parameters())
+
+    # bf16 payloads (rollout precision) are converted into the fp32 model in place.
+    bf16 = {k: v.to(torch.bfloat16) for k, v in make_model(tok, 2).state_dict().items()}
+    engine.load_weights(bf16, version=4)
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert torch.equal(engine.model.state_dict()[name], bf16[name].float())
+    assert engine.model.state_dict()[name].dtype == torch.float32 and engine.version == 4
+
+
+@pytest.mark.parametrize("fault", ["missing", "unexpected", "shape"])
+def test_load_weights_rejects_bad_payloads_atomically(tok: PreTrainedTokenizerFast, fault: str) -> None:
+    engine = make_engine(tok, 0)
+    state = dict(make_model(tok, 1).state_dict())
+    key = "model.layers.1.self_attn.q_proj.weight"
+    if fault == "missing":
+        del state[key]
+    elif fault == "unexpected":
+        key = "model.layers.9.extra.weight"
+        state[key] = torch.zeros(2)
+    else:
+        state[key] = torch.zeros(3, 3)
+    snapshot = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        engine.load_weights(state, version=9)
+    assert engine.version == 0
+    assert all(torch.equal(v, snapshot[k]) for k, v in engine.model.state_dict().items())
+
+
+def test_generation_never_mixes_weight_versions(tok: PreTrainedTokenizerFast, prompts: list[list[int]]) -> None:
+    """A generate racing load_weights sees one whole weight set, and reports which one."""
+    engine = make_engine(tok, 0)
+    states = {v: {k: t.clone() for k, t in make_model(tok, v).state_dict().items()} for v in (1, 2)}
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    reference = {}
+    for v, state in states.items():
+        engine.load_weights(state, v)
+        reference[v] = [g.output_ids for g in engine.generate(prompts, params)]
+    assert reference[1] != reference[2]
+
+    seen: list[tuple[int, list[list[int]]]] = []
+    done = threading.Event()
+
+    def roll() -> None:
+        while not done.is_set():
+            gens = engine.generate(prompts, params)
+            assert len({g.weight_version for g in gens}) == 1
+            seen.append((gens[0].weight_version, [g.output_ids for g in gens]))
+
+    worker = threading.Thread(target=roll)
+    worker.start()
+    try:
+        for i in range(20):
+            engine.load_weights(states[1 + i % 2], 1 + i % 2)
+            time.sleep(0.002)
+    finally:
+        done.set()
+        worker.join()
+    assert seen and all(outputs == reference[v] for v, outputs in seen)
+
+
+def test_generate_is_fast_on_one_thread(tok: PreTrainedTokenizerFast) -> None:
+    """64 prompts x 8 new tokens on the default tiny model: budget 100 ms (asserted loosely: shared CI CPUs)."""
+    engine = TorchEngine(tiny.build_tiny_model(TinyModelConfig(), tok), tok.pad_token_id)
+    batch = [encode_prompt(tok, f"{i % 31}+{(7 * i) % 31}=") for i in range(64)]
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine.generate(batch, params)  # warm-up
+        best = min(_timed(engine, batch, params) for _ in range(3))
+    finally:
+        torch.set_num_threads(threads)
+    assert best < 0.5, f"64x8 generation took {best * 1e3:.0f} ms"
+
+
+def _timed(engine: TorchEngine, batch: list[list[int]], params: SamplingParams) -> float:
+    start = time.perf_counter()
+    engine.generate(batch, params)
+    return time.perf_counter() - start
+
+
+def test_build_engine_loads_a_saved_checkpoint(
+    tok: PreTrainedTokenizerFast, tmp_path: Path, prompts: list[list[int]]
+) -> None:
+    model = make_model(tok, 0)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    threads = torch.get_num_threads()
+    try:
+        engine = build_engine(TorchEngineConfig(threads=None), tmp_path, version=2, seed=0)
+    finally:
+        torch.set_num_threads(threads)
+    assert isinstance(engine, TorchEngine) and engine.version == 2
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    assert [g.output_ids for g in engine.generate(prompts, params)] == [
+        g.output_ids for g in TorchEngine(model, tok.pad_token_id).generate(prompts, params)
+    ]
+
+
+def test_invalid_requests_are_rejected(tok: PreTrainedTokenizerFast) -> None:
+    engine = make_engine(tok)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate([[1]], SamplingParams(max_new_tokens=0))
+
+
+def test_tied_weights_may_be_sent_once(tok: PreTrainedTokenizerFast) -> None:
+    def tied(seed: int) -> LlamaForCausalLM:
+        torch.manual_seed(seed)
+        config = tiny.build_tiny_model(CFG, tok).config
+        config.tie_word_embeddings = True
+        return LlamaForCausalLM(config).eval()
+
+    engine, source = TorchEngine(tied(0), tok.pad_token_id), tied(1)
+    state = dict(source.state_dict())
+    if "lm_head.weight" in state:
+        del state["lm_head.weight"]
+    engine.load_weights(state, version=1)
+    assert torch.equal(engine.model.lm_head.weight, source.model.embed_tokens.weight)
