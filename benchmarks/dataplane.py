@@ -6,12 +6,14 @@ Starts an embedded nats-server (JetStream on a temporary directory) and, in one 
 same random payload:
 
 * ``WeightStore`` put and get (the whole API call: digest, chunked pipelined publish and manifest;
-  manifest read, fetch into a fresh buffer and digest verification) for each chunk size in
-  ``--chunk-mb``, stream storage in ``--storage`` and reader in ``--fetch`` (``raw``: our zero-copy
-  reader, ``client``: nats-py direct gets);
+  manifest read, fetch and digest verification) for each chunk size in ``--chunk-mb``, stream storage
+  in ``--storage`` and reader in ``--fetch`` (``raw``: our zero-copy reader into a fresh buffer,
+  ``raw-into``: the same into a reused buffer, ``client``: nats-py direct gets);
 * nats-py's object store put and get (the baseline that moved 64 MB in about 10 s);
 * a raw loopback TCP transfer: a sender process ``sendall``\\ s the bytes, this process ``recv_into``\\ s
-  them into a fresh buffer (the ceiling for any store-and-forward design on this host).
+  them into a fresh buffer, and into a reused one (the ceiling for any store-and-forward design here;
+  each WeightStore reader is compared with the raw transfer of the same buffer policy; measured
+  before and after the rest, as the load from other jobs drifts).
 
 Prints a table (median and best MB/s over the repeats, client CPU seconds per GB moved) and the ratios
 ours/raw and ours/object store; ``--json PATH`` writes everything, with the host's load average.
@@ -39,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from nats.js.api import StorageType
 
 from miles.bus.connect import connect
 from miles.bus.dataplane import CHUNK_HEADROOM, WeightStore
@@ -83,9 +84,9 @@ def _server_cpu_s(pid: int) -> float:
 # --------------------------------------------------------------------------- raw socket
 
 
-def _raw_sender(port: int, size: int, repeats: int) -> None:
+def _raw_sender(port: int, size: int, transfers: int) -> None:
     payload = os.urandom(size)
-    for _ in range(repeats):
+    for _ in range(transfers):
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.sendall(struct.pack("!Q", size))
             sock.sendall(payload)
@@ -101,21 +102,25 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def bench_raw_socket(size: int, repeats: int) -> Row:
-    row = Row(method="raw loopback TCP (sender process -> recv_into)")
+def bench_raw_socket(size: int, repeats: int) -> tuple[Row, Row]:
+    """Plain-socket transfers into a fresh buffer (as ``WeightStore.get``) and into a reused one (as
+    ``get(into=...)``), alternating; the sender is a separate process."""
+    fresh = Row(method="raw loopback TCP, fresh buffer", fetch="recv_into")
+    reused = Row(method="raw loopback TCP, reused buffer", fetch="recv_into")
+    kept = memoryview(bytearray(size))
     ctx = mp.get_context("spawn")
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
-        sender = ctx.Process(target=_raw_sender, args=(listener.getsockname()[1], size, repeats), daemon=True)
+        sender = ctx.Process(target=_raw_sender, args=(listener.getsockname()[1], size, 2 * repeats), daemon=True)
         sender.start()
-        for _ in range(repeats):
+        for i in range(2 * repeats):
+            row = fresh if i % 2 == 0 else reused
             conn, _ = listener.accept()
             with conn:
-                header = memoryview(bytearray(8))
-                _recv_exact(conn, header)
+                _recv_exact(conn, memoryview(bytearray(8)))
                 cpu0, t0 = time.process_time(), time.perf_counter()
-                dest = memoryview(mmap.mmap(-1, size))  # same allocator as WeightStore.get
+                dest = memoryview(mmap.mmap(-1, size)) if row is fresh else kept  # same allocator as get()
                 _recv_exact(conn, dest)
                 dt = time.perf_counter() - t0
                 row.get_mb_s.append(size / MiB / dt)
@@ -123,7 +128,7 @@ def bench_raw_socket(size: int, repeats: int) -> Row:
                 conn.sendall(b"k")
                 del dest
         sender.join(timeout=30)
-    return row
+    return fresh, reused
 
 
 # --------------------------------------------------------------------------- WeightStore
@@ -132,29 +137,25 @@ def bench_raw_socket(size: int, repeats: int) -> Row:
 async def bench_weight_store(
     url: str, payload: bytes, chunk_mb: float, storage: str, fetches: list[str], repeats: int
 ) -> list[Row]:
+    """Per version: one put, then one get per reader (``raw-into`` = raw reader into a reused buffer)."""
     nc = await connect(url, name="bench")
     js = nc.jetstream(timeout=60)
     size = len(payload)
     # "--chunk-mb 8" means what WeightStore picks on an 8 MB max_payload server: 8 MB minus the headroom.
     chunk = min(int(chunk_mb * MiB), nc.max_payload) - CHUNK_HEADROOM
     run = f"bench{int(chunk_mb * 1000)}{storage[0]}"
-    store = await WeightStore.create(js, run, chunk_bytes=chunk, keep_versions=2, fetch=fetches[0])  # type: ignore[arg-type]
-    if storage == "memory":
-        config = store.stream_config(1)
-        config.storage = StorageType.MEMORY
-        await js.delete_stream(store.stream)
-        await js.add_stream(config)
+    store = await WeightStore.create(js, run, chunk_bytes=chunk, keep_versions=2, storage=storage)  # type: ignore[arg-type]
     rows = {f: Row(method="WeightStore", chunk_mb=round(chunk / MiB, 3), storage=storage, fetch=f) for f in fetches}
+    kept = bytearray(size)
     expected = digest(payload)
     for version in range(repeats):
         t0 = time.perf_counter()
         info = await store.put(version, payload)
-        put_mb_s = size / MiB / (time.perf_counter() - t0)
-        rows[fetches[0]].put_mb_s.append(put_mb_s)
+        rows[fetches[0]].put_mb_s.append(size / MiB / (time.perf_counter() - t0))
         for fetch in fetches:
-            store.fetch = fetch  # type: ignore[assignment]
+            store.fetch = "raw" if fetch == "raw-into" else fetch  # type: ignore[assignment]
             cpu0, t0 = time.process_time(), time.perf_counter()
-            got = await store.get(version, expected_digest=info.digest)
+            got = await store.get(version, expected_digest=info.digest, into=kept if fetch == "raw-into" else None)
             dt = time.perf_counter() - t0
             cpu = time.process_time() - cpu0
             assert len(got) == size and info.digest == expected
@@ -197,27 +198,34 @@ def _fmt(x: float | None, digits: int = 0) -> str:
     return "-" if x is None else f"{x:,.{digits}f}"
 
 
-def _print_table(rows: list[Row]) -> None:
+def _baseline(row: Row, raw_fresh: Row, raw_reused: Row) -> Row:
+    return raw_reused if row.fetch == "raw-into" else raw_fresh
+
+
+def _print_table(rows: list[Row], raw_fresh: Row, raw_reused: Row) -> None:
     header = [
         "method",
         "chunk MB",
         "storage",
         "reader",
-        "put MB/s (median, best)",
-        "get MB/s (median, best)",
+        "put MB/s median (best)",
+        "get MB/s median (best)",
+        "get / raw",
         "get client CPU s/GB",
     ]
     lines = [header]
     for r in rows:
+        base = _baseline(r, raw_fresh, raw_reused)
         lines.append(
             [
                 r.method,
                 _fmt(r.chunk_mb, 2) if r.chunk_mb else "-",
                 r.storage or "-",
                 r.fetch or "-",
-                f"{_fmt(r.put)} ({_fmt(max(r.put_mb_s) if r.put_mb_s else None)})" if r.put_mb_s else "-",
-                f"{_fmt(r.get)} ({_fmt(max(r.get_mb_s) if r.get_mb_s else None)})" if r.get_mb_s else "-",
-                _fmt(r.get_cpu_s_per_gb and statistics.median(r.get_cpu_s_per_gb), 2),
+                f"{_fmt(r.put)} ({_fmt(max(r.put_mb_s))})" if r.put_mb_s else "-",
+                f"{_fmt(r.get)} ({_fmt(max(r.get_mb_s))})" if r.get_mb_s else "-",
+                f"{r.get / base.get:.2f}" if r.get and base.get and r.method == "WeightStore" else "-",
+                _fmt(statistics.median(r.get_cpu_s_per_gb), 2) if r.get_cpu_s_per_gb else "-",
             ]
         )
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
@@ -235,7 +243,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     max_payload = min(64 * MiB, max(8 * MiB, int(max(chunk_sizes) * MiB)))
     load_before = os.getloadavg()
     payload = os.urandom(size)
-    rows: list[Row] = [bench_raw_socket(size, args.repeats)]
+    raw_fresh, raw_reused = bench_raw_socket(size, args.repeats)
+    rows: list[Row] = [raw_fresh, raw_reused]
     base = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="miles-bench-"))
     server_cpu: dict[str, float] = {}
     try:
@@ -245,56 +254,67 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 for chunk_mb in chunk_sizes:
                     cpu0 = _server_cpu_s(server.pid)
                     rows += await bench_weight_store(server.url, payload, chunk_mb, storage, fetches, args.repeats)
-                    server_cpu[f"{storage}/{chunk_mb}"] = round(_server_cpu_s(server.pid) - cpu0, 2)
+                    server_cpu[f"{storage}/{chunk_mb}MB"] = round(_server_cpu_s(server.pid) - cpu0, 2)
             if args.objectstore_repeats > 0:
                 rows.append(await bench_object_store(server.url, payload, args.objectstore_repeats))
     finally:
         if not args.run_dir:
             shutil.rmtree(base, ignore_errors=True)
+    # Measure the baseline again at the end: the load from other jobs drifts during a run.
+    late_fresh, late_reused = bench_raw_socket(size, args.repeats)
+    for early, late in ((raw_fresh, late_fresh), (raw_reused, late_reused)):
+        early.get_mb_s += late.get_mb_s
+        early.get_cpu_s_per_gb += late.get_cpu_s_per_gb
 
-    raw, ours = rows[0], [r for r in rows if r.method == "WeightStore"]
+    ours = [r for r in rows if r.method == "WeightStore"]
     objstore = next((r for r in rows if r.method.startswith("nats-py object store")), None)
     default_chunk = round((8 * MiB - CHUNK_HEADROOM) / MiB, 3)
     default = next(
         (r for r in ours if r.chunk_mb == default_chunk and r.storage == "file" and r.fetch == "raw"), ours[0]
     )
-    best_get = max(ours, key=lambda r: r.get or 0)
-    ratios: dict[str, float | None] = {}
+    best = max(ours, key=lambda r: (r.get or 0) / (_baseline(r, raw_fresh, raw_reused).get or 1))
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return round(a / b, 2) if a and b else None
 
-    for label, r in (("default", default), ("best", best_get)):
-        ratios[f"{label}_get_vs_raw"] = ratio(r.get, raw.get)
+    def put_of(r: Row) -> float | None:
+        return next((o.put for o in ours if o.put_mb_s and o.chunk_mb == r.chunk_mb and o.storage == r.storage), None)
+
+    ratios: dict[str, float | None] = {}
+    for label, r in (("default", default), ("best", best)):
+        ratios[f"{label}_get_vs_raw"] = ratio(r.get, _baseline(r, raw_fresh, raw_reused).get)
         if objstore:
             ratios[f"{label}_get_vs_objectstore"] = ratio(r.get, objstore.get)
-            ratios[f"{label}_put_vs_objectstore"] = ratio(
-                max(o.put or 0 for o in ours if o.chunk_mb == r.chunk_mb and o.storage == r.storage), objstore.put
-            )
+            ratios[f"{label}_put_vs_objectstore"] = ratio(put_of(r), objstore.put)
+    load_after = os.getloadavg()
     print(
-        f"\npayload {args.size_mb} MB, repeats {args.repeats}, host {platform.node()} ({os.cpu_count()} CPUs), "
-        f"load average {load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}\n"
+        f"\npayload {args.size_mb:g} MB, repeats {args.repeats}, {os.cpu_count()} CPUs, "
+        f"load average {load_before[0]:.2f} -> {load_after[0]:.2f}\n"
     )
-    _print_table(rows)
+    _print_table(rows, raw_fresh, raw_reused)
     print()
-    print(
-        f"default = WeightStore chunk {default.chunk_mb} MB, {default.storage} storage, {default.fetch} reader; "
-        f"best get = chunk {best_get.chunk_mb} MB, {best_get.storage} storage, {best_get.fetch} reader"
-    )
+
+    def describe(r: Row) -> str:
+        return f"chunk {r.chunk_mb} MB, {r.storage} storage, {r.fetch} reader"
+
+    print(f"default = {describe(default)}; best get/raw = {describe(best)}")
     for key, value in ratios.items():
         print(f"  {key}: {_fmt(value, 2)}x")
-    print(f"  nats-server CPU seconds per configuration: {server_cpu}")
+    print(f"  nats-server CPU seconds per WeightStore configuration: {server_cpu}")
     return {
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "command": " ".join(["python", *sys.argv]),
         "size_mb": args.size_mb,
         "repeats": args.repeats,
+        "loop": args.loop,
         "host": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "load_before": load_before,
-            "load_after": os.getloadavg(),
+            "load_after": load_after,
         },
         "rows": [asdict(r) | {"put_median": r.put, "get_median": r.get} for r in rows],
+        "default": describe(default),
+        "best": describe(best),
         "ratios": ratios,
         "server_cpu_s": server_cpu,
     }
@@ -307,12 +327,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="puts and gets per configuration")
     parser.add_argument("--chunk-mb", default="1,8,32", help="comma-separated WeightStore chunk sizes (MB, <= 64)")
     parser.add_argument("--storage", default="file,memory", help="comma-separated stream storage: file, memory")
-    parser.add_argument("--fetch", default="raw,client", help="comma-separated readers: raw, client")
+    parser.add_argument(
+        "--fetch", default="raw,raw-into,client", help="comma-separated readers: raw, raw-into (reused buffer), client"
+    )
     parser.add_argument("--objectstore-repeats", type=int, default=1, help="object store runs (slow); 0 skips it")
+    parser.add_argument(
+        "--loop", choices=["uvloop", "asyncio"], default="uvloop", help="event loop (actors use uvloop)"
+    )
     parser.add_argument("--run-dir", default=None, help="keep the server's store here (default: a temp dir)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args()
-    result = asyncio.run(run(args))
+    if args.loop == "uvloop":
+        import uvloop
+
+        result = uvloop.run(run(args))
+    else:
+        result = asyncio.run(run(args))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))

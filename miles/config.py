@@ -152,6 +152,13 @@ class AlgoConfig(Strict):
     aggregation: Literal["token", "sequence"] = Field(
         "token", description="Average the loss over all tokens of the batch, or per sequence then over sequences."
     )
+    off_policy: Literal["none", "tis"] = Field(
+        "tis",
+        description="Correction for trajectories sampled by an older (or differently rounded) policy: 'tis' "
+        "weights each token's policy gradient by min(pi_prox / pi_behaviour, tis_clip) (decoupled PPO with "
+        "truncated importance sampling); 'none' ignores the behaviour policy.",
+    )
+    tis_clip: float = Field(2.0, gt=0, description="Upper truncation of the per-token importance weight.")
 
 
 class FsdpBackendConfig(Strict):

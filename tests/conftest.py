@@ -37,3 +37,10 @@ async def nc(nats_server: str) -> AsyncIterator[Client]:
     yield client
     if not client.is_closed:
         await client.close()
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, object]:
+    """Every async test runs on uvloop, the loop the actors run on (``miles-node`` uses uvloop.run)."""
+    import uvloop
+
+    return {"uvloop": uvloop.new_event_loop}

@@ -212,6 +212,10 @@ class FsdpBackend:
             else:
                 with torch.no_grad():
                     entropy = token_entropy(logits.detach(), self.temperature)  # metric only
+            token_weights = None
+            if self.algo.off_policy == "tis":  # pi_prox / pi_behaviour, truncated: corrects stale samples
+                token_weights = (old_logp - batch.behaviour_logp).exp().clamp(max=self.algo.tis_clip)
+                token_weights = token_weights * batch.loss_mask
             out = policy_loss(
                 logp,
                 old_logp,
@@ -226,6 +230,7 @@ class FsdpBackend:
                 entropy_coef=self.algo.entropy_coef,
                 num_tokens=num_tokens,
                 num_sequences=num_sequences,
+                token_weights=token_weights,
             )
             (out.loss * self._grad_scale).backward()
             mismatch = ((old_logp - batch.behaviour_logp).abs() * batch.loss_mask).sum() / max(num_tokens, 1.0)

@@ -24,7 +24,7 @@ import secrets
 import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import structlog
 from nats.aio.client import Client
@@ -407,8 +407,9 @@ async def _open(endpoint: Endpoint, inbox: bytes, timeout_s: float) -> _Connecti
             new_transport = await loop.start_tls(
                 conn.transport, conn, tls, server_hostname=endpoint.tls_hostname or endpoint.host
             )
-            assert isinstance(new_transport, asyncio.Transport)
-            conn.transport = new_transport
+            if new_transport is None:
+                raise BusError("TLS upgrade of the weight-fetch connection failed")
+            conn.transport = cast(asyncio.Transport, new_transport)  # uvloop's is not an asyncio.Transport
         fields = {
             "verbose": False,
             "pedantic": False,

@@ -48,6 +48,8 @@ DEFAULT_MAX_PAYLOAD = 8 * MiB
 # nats-server refuses max_payload above 64 MB.
 MAX_MAX_PAYLOAD = 64 * MiB
 BINARY_NAME = "nats-server"
+# The health check goes to loopback: never through an http_proxy from the environment.
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def find_nats_server() -> Path:
@@ -89,6 +91,8 @@ class EmbeddedNats:
     Use as ``async with EmbeddedNats(run_dir) as srv: ... srv.url`` (or ``with`` in sync code).
     Everything it writes lives in ``<run_dir>/nats``: the config, the log, the ports file and the
     JetStream store (so a restarted server on the same dir finds its streams again).
+    ``extra_config`` is appended to the generated config (e.g. ``tls {...}`` or ``authorization {...}``
+    blocks; ``url`` then still says ``nats://``, add the scheme and credentials your clients need).
     """
 
     def __init__(
@@ -102,6 +106,7 @@ class EmbeddedNats:
         start_timeout_s: float = 20.0,
         stop_timeout_s: float = 10.0,
         binary: str | Path | None = None,
+        extra_config: str = "",
     ) -> None:
         if not 1024 <= max_payload <= MAX_MAX_PAYLOAD:
             raise ValueError(f"max_payload must be in [1 KiB, 64 MiB], got {max_payload}")
@@ -116,6 +121,7 @@ class EmbeddedNats:
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self._binary = Path(binary) if binary is not None else None
+        self.extra_config = extra_config
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
         self._url: str | None = None
@@ -125,7 +131,7 @@ class EmbeddedNats:
 
     @property
     def url(self) -> str:
-        """``nats://127.0.0.1:<port>`` of the running server."""
+        """``nats://127.0.0.1:<port>`` of the running server (``tls://`` when ``extra_config`` enables TLS)."""
         if self._url is None:
             raise BusError("embedded nats-server is not running")
         return self._url
@@ -163,6 +169,7 @@ class EmbeddedNats:
             "jetstream {",
             f"  store_dir: {_conf_str(self.store_dir)}",
             "}",
+            self.extra_config,
         ]
         return "\n".join(lines) + "\n"
 
@@ -207,14 +214,13 @@ class EmbeddedNats:
         log.info("nats_server_started", url=self._url, pid=self.pid, store_dir=str(self.store_dir))
 
     def _wait_ready(self) -> None:
-        assert self._proc is not None
+        proc = self._proc  # a local: stop_sync() may clear self._proc from another thread
+        assert proc is not None
         deadline = time.monotonic() + self.start_timeout_s
-        ports_file = self.dir / f"{BINARY_NAME}_{self._proc.pid}.ports"
+        ports_file = self.dir / f"{BINARY_NAME}_{proc.pid}.ports"
         while True:
-            if self._proc.poll() is not None:
-                raise BusError(
-                    f"nats-server exited with code {self._proc.returncode} during start-up: {self._log_tail()}"
-                )
+            if proc.poll() is not None:
+                raise BusError(f"nats-server exited with code {proc.returncode} during start-up: {self._log_tail()}")
             if self._url is None and ports_file.is_file():
                 with contextlib.suppress(ValueError, OSError):
                     ports = json.loads(ports_file.read_text())
@@ -228,7 +234,7 @@ class EmbeddedNats:
 
     def _healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self._monitor_url}/healthz", timeout=2) as resp:
+            with _NO_PROXY.open(f"{self._monitor_url}/healthz", timeout=2) as resp:
                 return resp.status == 200 and json.loads(resp.read()).get("status") == "ok"
         except (OSError, ValueError, urllib.error.URLError):
             return False

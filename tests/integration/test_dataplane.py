@@ -6,6 +6,9 @@ import array
 import asyncio
 import json
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 from nats.aio.client import Client
@@ -196,3 +199,82 @@ async def test_auto_falls_back_to_nats_py(nc: Client, monkeypatch: pytest.Monkey
     raw = await _store(nc, "raw")
     with pytest.raises(BusError, match="cannot open weight-fetch connection"):
         await raw.get(1)
+
+
+@pytest.mark.parametrize("fetch", FETCH_MODES)
+async def test_get_into_a_reused_buffer(nc: Client, fetch: str) -> None:
+    store = await _store(nc, fetch)
+    payload = os.urandom(3 * CHUNK + 7)
+    await store.put(1, payload)
+    buf = bytearray(4 * CHUNK)
+    got = await store.get(1, into=buf)
+    assert got == payload and got.obj is buf  # written in place, no new allocation
+    small = bytearray(10)
+    other = await store.get(1, into=small)  # too small: a fresh buffer instead
+    assert other == payload and other.obj is not small
+
+
+async def test_memory_storage_and_a_later_actor_keeps_it(nc: Client) -> None:
+    from nats.js.api import StorageType
+
+    store = await WeightStore.create(nc.jetstream(), "t", chunk_bytes=CHUNK, storage="memory")
+    payload = os.urandom(2 * CHUNK)
+    await store.put(1, payload)
+    later = await WeightStore.create(nc.jetstream(), "t", chunk_bytes=CHUNK)  # default storage="file"
+    assert (await nc.jetstream().stream_info(store.stream)).config.storage == StorageType.MEMORY
+    assert await later.get(1) == payload
+
+
+def _make_certs(tmp: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1 (needs the openssl CLI)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not available")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    (tmp / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=tmp, check=True, capture_output=True)
+
+    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=miles-test-ca")
+    openssl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "1",
+        "-extfile",
+        "san.ext",
+    )
+    return tmp / "ca.pem", tmp / "server.pem", tmp / "server.key"
+
+
+async def test_raw_fetch_over_tls_with_password(tmp_path: Path) -> None:
+    from miles.bus.connect import connect
+    from miles.bus.server import EmbeddedNats
+
+    ca, cert, key = _make_certs(tmp_path)
+    extra = (
+        f'tls {{\n  cert_file: "{cert}"\n  key_file: "{key}"\n}}\n'
+        'authorization {\n  user: "alice"\n  password: "s3cret"\n}\n'
+    )
+    async with EmbeddedNats(tmp_path / "bus", extra_config=extra) as srv:
+        port = srv.url.rsplit(":", 1)[1]
+        with pytest.raises(BusError):
+            await connect(f"tls://127.0.0.1:{port}", name="t", tls_ca=str(ca), connect_attempts=2)  # no password
+        client = await connect(f"tls://alice:s3cret@127.0.0.1:{port}", name="t", tls_ca=str(ca))
+        try:
+            store = await _store(client, "raw")
+            payload = os.urandom(5 * CHUNK + 1)
+            info = await store.put(1, payload)
+            assert await store.get(1, info.digest) == payload
+        finally:
+            await client.close()
