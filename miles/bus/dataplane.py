@@ -407,7 +407,7 @@ class WeightStore:
         requests = man.requests()
         if not requests:
             return
-        window = max(1, self.window_bytes // man.chunk_bytes)
+        window = max(2, self.window_bytes // man.chunk_bytes)  # always overlap two chunks
         endpoint = endpoint_from_client(self._nc) if self.fetch != "client" else None
         if self.fetch == "raw" and endpoint is None:
             raise BusError("raw weight fetch is not possible over this connection (websocket or TLS-first)")

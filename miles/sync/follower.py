@@ -2,9 +2,10 @@
 
 The worker keeps generating while a new version downloads; :meth:`WeightFollower.apply_staged`
 is the only part that pauses generation, and it only copies already-verified tensors into the
-engine. A payload whose checksum fails is never staged: the follower logs, counts, and waits
-for the next announcement (or refetches the same version once, in case the chunk was damaged
-in transit). A worker several versions behind jumps straight to the newest announced version.
+engine. A payload whose checksum fails is never staged: the follower logs and counts it, then
+fetches again after a short pause (the newest version, if a newer one was announced meanwhile),
+so a chunk damaged in transit costs a retry, not a deadlock. A worker several versions behind
+jumps straight to the newest version.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from miles.bus.client import Bus
-from miles.bus.dataplane import ChecksumMismatch, PayloadMissing, WeightStore
+from miles.bus.dataplane import WeightStore
+from miles.bus.errors import BusError, ChecksumMismatch, PayloadMissing
 from miles.bus.schema import WeightsAnnounced
 from miles.engines.base import Engine
 from miles.sync.payload import deserialize_state
@@ -39,6 +41,7 @@ class WeightFollower:
         self.syncs = 0
         self.last_pause_s = 0.0
         self.last_fetch_s = 0.0
+        self.retry_s = 2.0
 
     @property
     def held_version(self) -> int:
@@ -77,23 +80,33 @@ class WeightFollower:
             start = time.perf_counter()
             state = await self._fetch_verified(ann)
             if state is None:
-                return  # wait for the next announcement
+                # Never apply a bad payload; try again shortly (or a newer version, if one was announced).
+                await asyncio.sleep(self.retry_s)
+                continue
             self.last_fetch_s = time.perf_counter() - start
             self._staged = (ann.version, state)
             async with self._changed:
                 self._changed.notify_all()
 
     async def _fetch_verified(self, ann: WeightsAnnounced) -> dict[str, torch.Tensor] | None:
-        for attempt in range(2):
+        """The payload of ``ann``, digest-verified and deserialised; None if it cannot be had intact."""
+        checksum_attempts, transport_attempts = 0, 0
+        while checksum_attempts < 2 and transport_attempts < 5:
             try:
                 payload = await self.store.get(ann.version, expected_digest=ann.digest)
             except ChecksumMismatch as exc:
+                checksum_attempts += 1
                 self.checksum_failures += 1
-                log.error("weights_checksum_failed", version=ann.version, attempt=attempt, error=str(exc))
+                log.error("weights_checksum_failed", version=ann.version, attempt=checksum_attempts, error=str(exc))
                 continue
             except PayloadMissing:
-                log.warning("weights_payload_missing", version=ann.version)
+                log.warning("weights_payload_missing", version=ann.version)  # purged: a newer one is announced
                 return None
+            except BusError as exc:  # connection trouble is transient: back off and try again
+                transport_attempts += 1
+                log.warning("weights_fetch_failed", version=ann.version, attempt=transport_attempts, error=str(exc))
+                await asyncio.sleep(min(2.0**transport_attempts, 10.0))
+                continue
             return await asyncio.to_thread(deserialize_state, payload)
         return None
 

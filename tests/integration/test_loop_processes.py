@@ -7,6 +7,8 @@ multi-machine deployment would, and checks the run's record (summary.json, group
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,21 +81,53 @@ def test_split_processes_two_ranks_with_garbage(tmp_path: Path, server: Embedded
         assert proc.returncode == 0, f"{name} exited with {proc.returncode}"
 
 
+async def _redeliveries(url: str, run: str) -> int:
+    """Deliveries of the shared rollout consumer beyond one per prompt (consumer seq counts every delivery)."""
+    nc = await connect(url, name="probe")
+    info = await nc.jetstream().consumer_info(f"{run}_PROMPTS", "rollout")
+    await nc.close()
+    return int(info.delivered.consumer_seq) - int(info.delivered.stream_seq)
+
+
+async def _freeze_holding_prompts(url: str, run: str, worker: subprocess.Popen, timeout_s: float) -> None:
+    """SIGSTOP ``worker`` (the only one running) at a moment it holds unacked prompts."""
+    nc = await connect(url, name="probe")
+    js = nc.jetstream()
+    try:
+        for _ in range(int(timeout_s / 0.02)):
+            if (await js.consumer_info(f"{run}_PROMPTS", "rollout")).num_ack_pending:
+                worker.send_signal(signal.SIGSTOP)
+                if (await js.consumer_info(f"{run}_PROMPTS", "rollout")).num_ack_pending:
+                    return
+                worker.send_signal(signal.SIGCONT)
+            await asyncio.sleep(0.02)
+    finally:
+        await nc.close()
+    raise AssertionError("the worker never held prompts")
+
+
 def test_rollout_worker_sigkill_loses_nothing(tmp_path: Path, server: EmbeddedNats, model_cache: Path) -> None:
-    cluster = _cluster(tmp_path, server, model_cache, "killw", **{"trainer.steps": 8})
+    cluster = _cluster(tmp_path, server, model_cache, "killw", **{"trainer.steps": 40})
     try:
         cluster.start_all(rollouts=2, ranks=1)
-        cluster.wait_for(lambda: cluster.steps_recorded() >= 2, 240, "two steps")
+        cluster.wait_for(lambda: cluster.steps_recorded() >= 1, 240, "the first step")
+        # With worker 1 paused, catch worker 0 holding unacked prompts and SIGKILL it there.
+        cluster.procs["rollout-1"].send_signal(signal.SIGSTOP)
+        asyncio.run(_freeze_holding_prompts(server.url, "killw", cluster.procs["rollout-0"], 120))
         cluster.kill("rollout-0")
+        cluster.procs["rollout-1"].send_signal(signal.SIGCONT)
         cluster.wait_for(lambda: (cluster.run_dir / "summary.json").exists(), 300, "the end of the run")
+        redelivered = asyncio.run(_redeliveries(server.url, "killw"))
         cluster.wait_all_exit(60)
     finally:
+        cluster.procs["rollout-1"].send_signal(signal.SIGCONT)
         cluster.stop()
+    assert redelivered >= 1, "the killed worker's prompts were never redelivered"
     summary = cluster.summary()
-    assert summary["steps"] == 8
+    assert summary["steps"] == 40
     assert summary["staleness_max"] <= cluster.cfg.staleness.max_staleness
     events = check_accounting(cluster)
-    assert len(events["trained"]) == 8 * cluster.cfg.trainer.groups_per_step
+    assert len(events["trained"]) == 40 * cluster.cfg.trainer.groups_per_step
 
 
 def test_trainer_sigkill_and_restart_resumes(tmp_path: Path, server: EmbeddedNats, model_cache: Path) -> None:
