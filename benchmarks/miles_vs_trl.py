@@ -51,7 +51,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from miles.config import ConfigError, FsdpBackendConfig, RunConfig, TorchEngineConfig, load_config
+from miles.config import (
+    ConfigError,
+    FsdpBackendConfig,
+    RunConfig,
+    TorchEngineConfig,
+    add_override_option,
+    load_config,
+)
 
 HERE = Path(__file__).resolve().parent
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -273,14 +280,7 @@ def table(miles: dict[str, Any], trl: dict[str, Any], ratios: dict[str, Any]) ->
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", required=True, help="Miles recipe, e.g. recipes/quickstart.yaml.")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="Dotted override applied to both sides (repeatable).",
-    )
+    add_override_option(p)
     p.add_argument("--out", help="Write the comparison JSON here.")
     p.add_argument(
         "--env-threads",

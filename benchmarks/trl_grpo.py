@@ -49,7 +49,7 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-from miles.config import ConfigError, FsdpBackendConfig, RunConfig, load_config  # noqa: E402
+from miles.config import ConfigError, FsdpBackendConfig, RunConfig, add_override_option, load_config  # noqa: E402
 
 # Behaviour of TRL's GRPOTrainer that no GRPOConfig field aligns with Miles (checked against trl 1.16).
 NOT_ALIGNED: tuple[str, ...] = (
@@ -340,14 +340,7 @@ def _is_num(value: Any) -> bool:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", required=True, help="Miles recipe, e.g. recipes/quickstart.yaml.")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="Dotted config override, as for `miles run` (repeatable).",
-    )
+    add_override_option(p)
     p.add_argument(
         "--threads",
         type=int,

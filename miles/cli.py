@@ -13,7 +13,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from miles.config import ConfigError, dump_config, load_config
+from miles.config import ConfigError, add_override_option, dump_config, load_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,20 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="Run a recipe: all actors on this machine.")
     run.add_argument("recipe", help="YAML recipe, e.g. recipes/quickstart.yaml.")
     run.add_argument("--run-dir", help="Run directory (default: runs/<name>).")
-    run.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="Dotted config override, e.g. --set trainer.lr=2e-5 (repeatable).",
-    )
+    add_override_option(run)
     run.add_argument("--nats-url", help="Use this NATS server instead of starting an embedded one.")
     run.add_argument("--quiet", action="store_true", help="No progress output, only the summary.")
 
     cfg = sub.add_parser("config", help="Print the resolved config of a recipe with overrides.")
     cfg.add_argument("recipe", nargs="?", help="YAML recipe (defaults if omitted).")
-    cfg.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_override_option(cfg)
 
     bus = sub.add_parser("bus", help="Serve an embedded nats-server with JetStream until interrupted.")
     bus.add_argument("--run-dir", default="runs/bus", help="Where the server keeps its store and log.")
@@ -44,15 +37,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     top = sub.add_parser("top", help="Live view of a running run (same as miles-node --role monitor).")
     top.add_argument("--config", "-c", help="The run's recipe (for its name and bounds).")
-    top.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_override_option(top)
     top.add_argument("--nats-url", required=True)
-    top.add_argument("--json", action="store_true")
-    top.add_argument("--once", action="store_true")
+    top.add_argument("--json", action="store_true", help="Print JSON snapshots instead of the live view.")
+    top.add_argument("--once", action="store_true", help="Print one snapshot and exit.")
+    top.add_argument(
+        "--prometheus-port", type=int, metavar="PORT", help="Serve Prometheus /metrics on PORT (0: any free port)."
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from miles.logs import configure_logging
+
+    configure_logging(json_lines=False)  # logs go to stderr: stdout carries only results (e.g. the bus URL)
     try:
         if args.command == "run":
             return _run(args)
@@ -65,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
             from miles.node import main as node_main
 
             extra = ["--json"] * args.json + ["--once"] * args.once
+            if args.prometheus_port is not None:
+                extra += ["--prometheus-port", str(args.prometheus_port)]
             conf = ["--config", args.config] if args.config else []
             sets = [x for o in args.overrides for x in ("--set", o)]
             return node_main(
@@ -81,9 +82,6 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     cfg = load_config(args.recipe, args.overrides)
     run_dir = Path(args.run_dir or f"runs/{cfg.name}")
-    from miles.logs import configure_logging
-
-    configure_logging(json_lines=False)
     from miles.models.loading import resolve_model_dir
 
     print(f"miles: preparing model ({cfg.model.type}) ...", file=sys.stderr)

@@ -6,6 +6,7 @@ forbids unknown keys; variants are discriminated unions on ``type``.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -306,6 +307,18 @@ def _format_error(err: ValidationError, source: str) -> str:
     extra = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
     where = f"{loc}: " if loc else ""
     return f"{source}: {where}{msg}{extra}"
+
+
+def add_override_option(parser: argparse.ArgumentParser) -> None:
+    """The ``--set dotted.key=value`` option every Miles command takes (collected in ``args.overrides``)."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Dotted config override, e.g. --set trainer.lr=2e-5 (repeatable).",
+    )
 
 
 def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -> RunConfig:

@@ -19,7 +19,7 @@ import socket
 import sys
 from pathlib import Path
 
-from miles.config import ConfigError, RunConfig, load_config
+from miles.config import ConfigError, RunConfig, add_override_option, load_config
 
 ROLES = ("controller", "rollout", "trainer", "monitor")
 
@@ -28,14 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="miles-node", description="Run one Miles actor process.")
     p.add_argument("--role", required=True, choices=ROLES, help="Which actor this process runs.")
     p.add_argument("--config", "-c", help="YAML recipe (defaults if omitted).")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="Dotted config override, e.g. --set trainer.lr=2e-5 (repeatable).",
-    )
+    add_override_option(p)
     p.add_argument("--run-dir", default="runs/default", help="Run directory (logs, checkpoints, metrics).")
     p.add_argument("--nats-url", default=os.environ.get("NATS_URL"), help="NATS server to join (or $NATS_URL).")
     p.add_argument("--actor-id", help="Unique id of this actor (default: role-hostname-pid).")
@@ -45,6 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", 29500)), help="Rank-0 port.")
     p.add_argument("--json", action="store_true", help="monitor: print JSON snapshots instead of a live view.")
     p.add_argument("--once", action="store_true", help="monitor: print one snapshot and exit.")
+    p.add_argument(
+        "--prometheus-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="monitor: serve Prometheus /metrics on PORT (0: any free port; default: monitor.prometheus_port).",
+    )
     return p
 
 
@@ -109,7 +109,7 @@ def _build_actor(cfg: RunConfig, args: argparse.Namespace, bus, run_dir: Path): 
     if args.role == "monitor":
         from miles.actors.monitor import Monitor
 
-        return Monitor(cfg, bus, run_dir, as_json=args.json, once=args.once)
+        return Monitor(cfg, bus, run_dir, as_json=args.json, once=args.once, prometheus_port=args.prometheus_port)
     from miles.actors.trainer import TrainerLeader
     from miles.actors.trainer_ranks import LeaderRanks
 

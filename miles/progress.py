@@ -30,6 +30,7 @@ class ProgressView:
         self._progress: Progress | None = None
         self._task: Any = None
         self.last_eval: float | None = None
+        self._print_every = max(1, cfg.trainer.steps // 20)  # plain (non-terminal) output: ~20 lines
 
     async def start(self) -> None:
         from miles.bus.connect import connect
@@ -93,7 +94,7 @@ class ProgressView:
             info += f" | eval {self.last_eval:.3f}"
         if self._progress is not None:
             self._progress.update(self._task, completed=message.step + 1, info=info)
-        elif not self.quiet:
+        elif not self.quiet and (message.step + 1) % self._print_every == 0:
             self.console.print(f"step {message.step + 1}/{self.cfg.trainer.steps} | {info}")
 
     def fail(self, what: str, tail: str) -> None:

@@ -18,7 +18,7 @@ from typing import ClassVar
 import structlog
 from nats.aio.msg import Msg
 
-from miles.bus.client import Bus
+from miles.bus.client import Bus, messages_until
 from miles.bus.schema import Control, Heartbeat
 from miles.config import RunConfig
 
@@ -85,18 +85,10 @@ class Actor(ABC):
     async def _control_loop(self) -> None:
         """Obey run-wide ``stop`` commands (core subscription: only live actors need them)."""
         sub = await self.bus.nc.subscribe(self.bus.subjects.control)
-        try:
-            while not self._finished.is_set():
-                try:
-                    msg = await sub.next_msg(timeout=0.5)
-                except asyncio.TimeoutError:
-                    continue
-                control = await self.bus.decode_or_dead_letter(msg, Control)
-                if control is not None and control.command == "stop":
-                    self.request_stop(control.reason or "control: stop")
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        async for msg in messages_until(sub, self._finished):
+            control = await self.bus.decode_or_dead_letter(msg, Control)
+            if control is not None and control.command == "stop":
+                self.request_stop(control.reason or "control: stop")
 
     # ------------------------------------------------------------------ helpers for subclasses
 

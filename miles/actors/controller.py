@@ -22,7 +22,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from miles.actors.base import Actor
 from miles.actors.run_record import RunRecord
-from miles.bus.client import KEY_STATUS
+from miles.bus.client import KEY_STATUS, messages_until
 from miles.bus.schema import (
     Control,
     EvalResult,
@@ -143,32 +143,18 @@ class Controller(Actor):
     async def _follow_versions(self, done: asyncio.Event) -> None:
         config = ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
         sub = await self.bus.js.subscribe(self.bus.subjects.weights, ordered_consumer=True, config=config)
-        try:
-            while not done.is_set():
-                try:
-                    msg = await sub.next_msg(timeout=0.5)
-                except asyncio.TimeoutError:
-                    continue
-                ann = await self.bus.decode_or_dead_letter(msg, WeightsAnnounced)
-                if ann is not None and ann.version > self.trainer_version:
-                    self.trainer_version = ann.version
-                    self._wake.set()
-        finally:
-            await sub.unsubscribe()
+        async for msg in messages_until(sub, done):
+            ann = await self.bus.decode_or_dead_letter(msg, WeightsAnnounced)
+            if ann is not None and ann.version > self.trainer_version:
+                self.trainer_version = ann.version
+                self._wake.set()
 
     async def _follow_heartbeats(self, done: asyncio.Event) -> None:
         sub = await self.bus.nc.subscribe(self.bus.subjects.heartbeat("*", "*"))
-        try:
-            while not done.is_set():
-                try:
-                    msg = await sub.next_msg(timeout=0.5)
-                except asyncio.TimeoutError:
-                    continue
-                hb = await self.bus.decode_or_dead_letter(msg, Heartbeat)
-                if hb is not None and hb.role == "rollout":
-                    self.workers[hb.actor_id] = hb
-        finally:
-            await sub.unsubscribe()
+        async for msg in messages_until(sub, done):
+            hb = await self.bus.decode_or_dead_letter(msg, Heartbeat)
+            if hb is not None and hb.role == "rollout":
+                self.workers[hb.actor_id] = hb
 
     async def _pull_loop(
         self, stream: str, durable: str, filter_subject: str, done: asyncio.Event, handle: Any

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -19,6 +22,24 @@ from miles.bus.subjects import Subjects
 from miles.config import BusConfig
 
 log = structlog.get_logger(__name__)
+
+
+async def messages_until(sub: Any, done: asyncio.Event, poll_s: float = 0.5) -> AsyncIterator[Msg]:
+    """Messages of a subscription until ``done`` is set; unsubscribes at the end.
+
+    Polling with a short timeout (instead of one long wait) is what lets every loop notice a stop
+    request within ``poll_s`` without cancelling a task in the middle of handling a message.
+    """
+    try:
+        while not done.is_set():
+            try:
+                yield await sub.next_msg(timeout=poll_s)
+            except asyncio.TimeoutError:
+                continue
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+
 
 M = TypeVar("M", bound=Message)
 

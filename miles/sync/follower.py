@@ -17,7 +17,7 @@ import structlog
 import torch
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from miles.bus.client import Bus
+from miles.bus.client import Bus, messages_until
 from miles.bus.dataplane import WeightStore
 from miles.bus.errors import BusError, ChecksumMismatch, PayloadMissing
 from miles.bus.schema import WeightsAnnounced
@@ -55,11 +55,7 @@ class WeightFollower:
         sub = await self.bus.js.subscribe(self.bus.subjects.weights, ordered_consumer=True, config=config)
         fetcher: asyncio.Task[None] | None = None
         try:
-            while not stopping.is_set():
-                try:
-                    msg = await sub.next_msg(timeout=0.5)
-                except asyncio.TimeoutError:
-                    continue
+            async for msg in messages_until(sub, stopping):
                 ann = await self.bus.decode_or_dead_letter(msg, WeightsAnnounced)
                 if ann is None or (self.latest is not None and ann.version <= self.latest.version):
                     continue
@@ -71,7 +67,6 @@ class WeightFollower:
         finally:
             if fetcher is not None:
                 fetcher.cancel()
-            await sub.unsubscribe()
 
     async def _fetch_newest(self) -> None:
         """Fetch until the staged version is the newest announced one (skipping intermediate ones)."""

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ from typing import Any
 import yaml
 
 from miles.config import RunConfig, dump_config, load_config
-from miles.launch import free_port
+from miles.launch import free_port, node_command
 
 
 def small_run_config(model_cache: Path, name: str, **overrides: Any) -> RunConfig:
@@ -63,22 +62,7 @@ class Cluster:
 
     def start(self, name: str, role: str, *extra: str) -> subprocess.Popen:
         log = open(self.run_dir / f"{name}.log", "ab")
-        cmd = [
-            sys.executable,
-            "-m",
-            "miles.node",
-            "--role",
-            role,
-            "--config",
-            str(self.config_path),
-            "--run-dir",
-            str(self.run_dir),
-            "--nats-url",
-            self.nats_url,
-            "--actor-id",
-            name,
-            *extra,
-        ]
+        cmd = node_command(role, self.config_path, self.run_dir, self.nats_url, "--actor-id", name, *extra)
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
