@@ -94,8 +94,28 @@ class JsonlTaskConfig(Strict):
     answer_field: str = Field("answer", description="Row key holding the reference answer.")
 
 
+class CopyTaskConfig(Strict):
+    """Built-in task with long-tailed generation lengths: copy a digit string ("3141=" -> "3141").
+
+    String lengths follow a clipped log-normal, so most completions are a few tokens and a few are
+    many times longer (p99 / median >= 8 at the defaults): the case where asynchronous rollouts pay off.
+    """
+
+    type: Literal["copy"] = "copy"
+    median_len: float = Field(4.0, gt=0, description="Median string length (exp of the log-normal's mean).")
+    sigma: float = Field(1.1, ge=0, description="Log-normal sigma of the length (0: every string has median_len).")
+    min_len: int = Field(1, ge=1, description="Lengths are clipped to [min_len, max_len].")
+    max_len: int = Field(56, ge=1, description="Longest string; set rollout.sampling.max_new_tokens >= max_len + 1.")
+    reverse: bool = Field(False, description="The answer is the string reversed instead of copied.")
+    train_size: int = Field(4000, gt=0, description="Number of training prompts.")
+    eval_size: int = Field(200, gt=0, description="Number of held-out prompts (disjoint strings from train).")
+    seed: int = Field(0, description="Seed of the string and length generator.")
+
+
 TaskConfig = Annotated[
-    Annotated[ArithmeticTaskConfig, Tag("arithmetic")] | Annotated[JsonlTaskConfig, Tag("jsonl")],
+    Annotated[ArithmeticTaskConfig, Tag("arithmetic")]
+    | Annotated[JsonlTaskConfig, Tag("jsonl")]
+    | Annotated[CopyTaskConfig, Tag("copy")],
     _variant("arithmetic"),
 ]
 
@@ -153,13 +173,24 @@ class AlgoConfig(Strict):
     aggregation: Literal["token", "sequence"] = Field(
         "token", description="Average the loss over all tokens of the batch, or per sequence then over sequences."
     )
-    off_policy: Literal["none", "tis"] = Field(
-        "tis",
-        description="Correction for trajectories sampled by an older (or differently rounded) policy: 'tis' "
-        "weights each token's policy gradient by min(pi_prox / pi_behaviour, tis_clip) (decoupled PPO with "
-        "truncated importance sampling); 'none' ignores the behaviour policy.",
+    off_policy: Literal["none", "tis", "masked_is", "sequence", "decoupled_ppo"] = Field(
+        "decoupled_ppo",
+        description="Correction for trajectories sampled by an older (or differently rounded) behaviour policy "
+        "(docs/staleness.md): 'decoupled_ppo' clips pi/pi_prox and weights each token by "
+        "min(pi_prox / pi_behaviour, tis_clip); 'tis' takes the ratio against the behaviour policy, truncated "
+        "at tis_clip (no proximal policy); 'masked_is' keeps the weight pi_prox / pi_behaviour inside "
+        "[mis_low, mis_high] and zeroes tokens outside; 'sequence' weights whole sequences by "
+        "min(prod pi_prox / pi_behaviour, tis_clip); 'none' ignores the behaviour policy.",
     )
-    tis_clip: float = Field(2.0, gt=0, description="Upper truncation of the per-token importance weight.")
+    tis_clip: float = Field(
+        2.0, ge=1.0, description="Upper truncation of the importance weight ('decoupled_ppo', 'tis', 'sequence')."
+    )
+    mis_low: float = Field(
+        0.5, ge=0, le=1, description="'masked_is': tokens whose pi_prox / pi_behaviour is below this get weight 0."
+    )
+    mis_high: float = Field(
+        2.0, ge=1, description="'masked_is': tokens whose pi_prox / pi_behaviour is above this get weight 0."
+    )
 
 
 class FsdpBackendConfig(Strict):
@@ -195,7 +226,7 @@ class TrainerConfig(Strict):
     ranks: int = Field(1, ge=1, description="Data-parallel ranks `miles run` starts.")
     steps: int = Field(40, ge=1, description="Optimizer steps (= policy versions) to train.")
     groups_per_step: int = Field(8, ge=1, description="Prompt groups per optimizer step.")
-    lr: float = Field(2e-3, gt=0, description="AdamW learning rate.")
+    lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
@@ -234,6 +265,22 @@ class BusConfig(Strict):
     max_payload_mb: int = Field(8, ge=1, description="max_payload of the embedded server (weight chunk size follows).")
 
 
+class MonitorConfig(Strict):
+    """The live monitor (``miles top`` / ``miles-node --role monitor``) and its Prometheus endpoint."""
+
+    prometheus_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Serve Prometheus /metrics on this port (None: off; 0: any free port, logged).",
+    )
+    prometheus_addr: str = Field("0.0.0.0", description="Address the /metrics endpoint binds to.")
+    refresh_s: float = Field(1.0, gt=0, description="Seconds between redraws, queue polls and metric updates.")
+    rate_window_s: float = Field(30.0, gt=0, description="Window of the tokens/s and trajectories/s rates.")
+    reward_points: int = Field(40, ge=1, description="Steps shown in the reward trend (sparkline).")
+    plots: bool = Field(True, description="Write reward and staleness PNG plots to the run directory at the end.")
+
+
 class RunConfig(Strict):
     """Top of the tree: one run."""
 
@@ -246,6 +293,7 @@ class RunConfig(Strict):
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
     bus: BusConfig = Field(default_factory=BusConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="Live monitor and plots.")
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
@@ -299,7 +347,7 @@ def _format_error(err: ValidationError, source: str) -> str:
     loc = ".".join(
         p
         for p in loc.split(".")
-        if p not in {"tiny", "pretrained", "arithmetic", "jsonl", "torch", "sglang", "fsdp", "megatron"}
+        if p not in {"tiny", "pretrained", "arithmetic", "jsonl", "copy", "torch", "sglang", "fsdp", "megatron"}
     )
     msg = first["msg"]
     if first["type"] == "extra_forbidden":

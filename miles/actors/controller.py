@@ -224,6 +224,25 @@ class Controller(Actor):
             handle,
         )
 
+    async def _write_plots(self) -> None:
+        """reward.png and staleness.png in the run directory; a failure is logged, never fatal."""
+        if not self.cfg.monitor.plots:
+            return
+        from miles.monitoring.plots import write_plots
+
+        try:
+            paths = await asyncio.to_thread(
+                write_plots,
+                self.run_dir,
+                max_staleness=self.cfg.staleness.max_staleness,
+                evals=dict(self.record.evals),
+                run_name=self.cfg.name,
+            )
+        except Exception as exc:  # matplotlib missing, a full disk, a bad line: the run itself is fine
+            self.log.warning("plots_failed", error=repr(exc))
+        else:
+            self.log.info("plots_written", paths=[str(p) for p in paths])
+
     async def _finish(self, done: TrainerDone) -> None:
         outstanding = self.state.issued - self.state.discarded - self.record.groups_trained
         summary = self.record.write_summary(
@@ -233,6 +252,7 @@ class Controller(Actor):
             groups_outstanding=outstanding,
             workers={k: hb.version for k, hb in self.workers.items()},
         )
+        await self._write_plots()
         await self.bus.put_str(KEY_STATUS, "done")
         await self.bus.publish(self.bus.subjects.control, Control(command="stop", reason="run complete"))
         self.log.info("run_complete", **{k: v for k, v in summary.items() if not isinstance(v, dict)})

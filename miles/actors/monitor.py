@@ -1,136 +1,207 @@
 """Monitor: a read-only live view of a run from any machine that reaches its NATS.
 
+``miles top -c recipe.yaml --nats-url URL`` (or ``miles-node --role monitor``) redraws in place
+every ``monitor.refresh_s``; ``--json`` prints one JSON snapshot per refresh instead, and
+``--json --once`` prints a single snapshot (after about 2.5 heartbeat periods, once the METRICS
+stream has been replayed) and exits. ``--prometheus-port N`` (or ``monitor.prometheus_port``;
+0 = any free port, logged as ``prometheus_listening``) serves the same snapshot on ``/metrics``.
+
 It never publishes work and never acks anything: heartbeats come over core NATS, metrics are
-replayed from the METRICS stream with an ephemeral ordered consumer.
+replayed from the METRICS stream with an ephemeral ordered consumer, queue depths are read from
+stream and consumer info. The model is :class:`miles.monitoring.state.RunState`, the view
+:mod:`miles.monitoring.view`, the exporter :mod:`miles.monitoring.prom`.
+
+JSON snapshot fields (``--json``):
+
+``run``, ``time`` (unix s), ``status`` (``waiting`` | ``running`` | ``done``),
+``trainer_version`` (newest policy version: trainer heartbeat or last step), ``trainer_alive``,
+``max_staleness`` (the bound eta), ``steps_seen``;
+``workers``: ``{actor_id: {version, lag (trainer_version - version; null before the first sync),
+state, age_s (since its last heartbeat), alive, groups, tokens, tokens_per_s, groups_per_s,
+syncs, checksum_failures, last_pause_ms}}``; ``worker_lag_max`` (over live workers);
+``staleness_histogram``: ``{"0": n, "1": n, ...}`` trained trajectories (groups) per staleness,
+every key from 0 to max(bound, largest seen); ``staleness_mean``; ``staleness_over_bound``;
+``queues``: ``prompts_waiting`` (messages in ``<run>_PROMPTS``), ``trajectories_waiting``
+(``trainer`` consumer's num_pending + num_ack_pending on ``<run>_TRAJ``), ints (null until read);
+``rates`` over ``window_s``: ``rollout_tokens_per_s``, ``rollout_groups_per_s`` (worker heartbeat
+counters), ``trained_trajectories_per_s``, ``trained_tokens_per_s`` (step reports),
+``step_tokens_per_s`` (the last step's own figure);
+``reward``: ``last``, ``mean_last_n``, ``trend`` (last ``monitor.reward_points`` step means),
+``sparkline``; ``last_step``: ``{step, policy_version, age_s, staleness_mean, staleness_max, ...
+every metric of the step}``; ``discards``: ``dropped``, ``requeued``, ``duplicates`` (trainer
+heartbeat); ``controller``: ``{issued, discarded}``; ``dead_lettered`` (``<run>_DLQ`` size);
+``evals``: ``{policy_version: accuracy}``; ``eval_accuracy`` (newest);
+``prometheus_port`` (only when the endpoint is on).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import Any
 
-from rich.console import Console
-from rich.live import Live
-from rich.table import Table
+from nats.aio.msg import Msg
 
 from miles.actors.base import Actor
-from miles.bus.schema import EvalResult, Heartbeat, SchemaError, StepMetrics, decode_any
+from miles.bus.schema import Heartbeat, SchemaError, decode_any
+from miles.monitoring.state import RunState
 
 
 class Monitor(Actor):
     role = "monitor"
 
-    def __init__(self, *args: Any, as_json: bool = False, once: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        as_json: bool = False,
+        once: bool = False,
+        prometheus_port: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.as_json = as_json
         self.once = once
-        self.actors: dict[str, Heartbeat] = {}
-        self.last_step: StepMetrics | None = None
-        self.evals: dict[int, float] = {}
-        self.staleness_hist: dict[int, int] = {}
+        mcfg = self.cfg.monitor
+        self.prometheus_port = prometheus_port if prometheus_port is not None else mcfg.prometheus_port
+        self.state = RunState(
+            run=self.cfg.name,
+            max_staleness=self.cfg.staleness.max_staleness,
+            rate_window_s=mcfg.rate_window_s,
+            reward_points=mcfg.reward_points,
+            stale_after_s=max(5.0, 5 * self.cfg.bus.heartbeat_s),
+        )
+        self.exporter: Any = None
+        self._metrics_seq = 0
 
-    async def main(self) -> None:
-        hb_sub = await self.bus.nc.subscribe(self.bus.subjects.heartbeat("*", "*"))
-        metrics_sub = await self.bus.js.subscribe(self.bus.subjects.metrics_all, ordered_consumer=True)
-        console = Console()
-        deadline = time.monotonic() + 2.5 * self.cfg.bus.heartbeat_s
+    # ------------------------------------------------------------------ inputs
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
         try:
-            with Live(
-                self.render(), console=console, refresh_per_second=2, auto_refresh=not (self.as_json or self.once)
-            ) as live:
-                while not self.stopping.is_set():
-                    await self._drain(hb_sub, metrics_sub)
-                    if self.once and time.monotonic() >= deadline:
-                        break
-                    if self.as_json and not self.once:
-                        print(json.dumps(self.snapshot()), flush=True)
-                    elif not self.as_json:
-                        live.update(self.render())
-                    await self.sleep_unless_stopping(0.5 if self.once else self.cfg.bus.heartbeat_s)
-                if self.once:
-                    if self.as_json:
-                        print(json.dumps(self.snapshot()), flush=True)
-                    else:
-                        live.update(self.render())
-        finally:
-            await hb_sub.unsubscribe()
-            await metrics_sub.unsubscribe()
+            hb = decode_any(msg.data)
+        except SchemaError:
+            return  # read-only: the owning consumer dead-letters it
+        if isinstance(hb, Heartbeat):
+            self.state.on_heartbeat(hb)
 
-    async def _drain(self, *subs: Any) -> None:
-        for sub in subs:
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=0.01)
-                except asyncio.TimeoutError:
-                    break
-                try:
-                    message = decode_any(msg.data)
-                except SchemaError:
-                    continue  # read-only: the owning consumer dead-letters it
-                self._absorb(message)
+    async def _on_metrics(self, msg: Msg) -> None:
+        meta = msg.metadata
+        self._metrics_seq = max(self._metrics_seq, int(meta.sequence.stream))
+        try:
+            message = decode_any(msg.data)
+        except SchemaError:
+            return
+        t = meta.timestamp.timestamp() if meta.timestamp is not None else time.time()
+        self.state.absorb(message, t)
 
-    def _absorb(self, message: Any) -> None:
-        if isinstance(message, Heartbeat):
-            self.actors[message.actor_id] = message
-        elif isinstance(message, StepMetrics):
-            self.last_step = message
-            for lag in message.staleness:
-                self.staleness_hist[lag] = self.staleness_hist.get(lag, 0) + 1
-        elif isinstance(message, EvalResult):
-            self.evals[message.policy_version] = message.accuracy
+    async def _poll_queues(self) -> None:
+        js, s = self.bus.js, self.bus.subjects
+        try:
+            prompts = await js.stream_info(s.prompts_stream)
+            trainer = await js.consumer_info(s.traj_stream, s.TRAINER_CONSUMER)
+            dlq = await js.stream_info(s.dlq_stream)
+        except Exception as exc:  # a restarting server: keep the last values
+            self.log.debug("queue_poll_failed", error=repr(exc))
+            return
+        self.state.set_queues(
+            prompts_waiting=int(prompts.state.messages),
+            trajectories_waiting=int(trainer.num_pending or 0) + int(trainer.num_ack_pending or 0),
+            dead_lettered=int(dlq.state.messages),
+        )
 
-    def trainer_version(self) -> int:
-        return max((hb.version for hb in self.actors.values() if hb.role == "trainer"), default=0)
+    async def _metrics_last_seq(self) -> int:
+        with contextlib.suppress(Exception):
+            return int((await self.bus.js.stream_info(self.bus.subjects.metrics_stream)).state.last_seq)
+        return 0
+
+    # ------------------------------------------------------------------ outputs
 
     def snapshot(self) -> dict[str, Any]:
-        """Plain-data view (the --json form)."""
-        v = self.trainer_version()
-        now = time.time()
-        workers = {
-            hb.actor_id: {
-                "version": hb.version,
-                "lag": v - hb.version if hb.version >= 0 else None,
-                "age_s": round(now - hb.ts, 2),
-                **hb.stats,
-            }
-            for hb in self.actors.values()
-            if hb.role == "rollout"
-        }
-        step = self.last_step
-        return {
-            "run": self.cfg.name,
-            "trainer_version": v,
-            "max_staleness": self.cfg.staleness.max_staleness,
-            "workers": workers,
-            "staleness_histogram": {str(k): n for k, n in sorted(self.staleness_hist.items())},
-            "last_step": None if step is None else {"step": step.step, **step.metrics},
-            "evals": {str(k): a for k, a in sorted(self.evals.items())},
-        }
+        """Plain-data view (the --json form); see the module docstring for the fields."""
+        snap = self.state.snapshot(time.time())
+        if self.exporter is not None:
+            snap["prometheus_port"] = self.exporter.port
+        return snap
 
-    def render(self) -> Table:
-        snap = self.snapshot()
-        table = Table(
-            title=f"miles run {snap['run']}: trainer version {snap['trainer_version']} "
-            f"(max staleness {snap['max_staleness']})"
+    def render(self) -> Any:
+        from miles.monitoring.view import render
+
+        return render(self.snapshot())
+
+    def _start_exporter(self) -> None:
+        if self.prometheus_port is None:
+            return
+        from miles.monitoring.prom import PrometheusExporter
+
+        self.exporter = PrometheusExporter()
+        port = self.exporter.start(self.prometheus_port, self.cfg.monitor.prometheus_addr)
+        self.log.info(
+            "prometheus_listening", port=port, url=f"http://{self.cfg.monitor.prometheus_addr}:{port}/metrics"
         )
-        for col in ("worker", "version", "lag", "groups", "tokens", "last seen"):
-            table.add_column(col)
-        for wid, w in sorted(snap["workers"].items()):
-            table.add_row(
-                wid,
-                str(w["version"]),
-                str(w["lag"]),
-                str(int(w.get("groups", 0))),
-                str(int(w.get("tokens", 0))),
-                f"{w['age_s']:.1f}s ago",
-            )
-        step = snap["last_step"]
-        if step:
-            table.caption = (
-                f"step {step['step']}: reward {step.get('reward_mean', 0):.3f}, "
-                f"{step.get('tokens_per_s', 0):.0f} tok/s; staleness histogram "
-                f"{snap['staleness_histogram']}"
-            )
-        return table
+
+    async def main(self) -> None:
+        refresh = self.cfg.monitor.refresh_s
+        self._start_exporter()
+        hb_sub = await self.bus.nc.subscribe(self.bus.subjects.heartbeat("*", "*"), cb=self._on_heartbeat)
+        replay_to = await self._metrics_last_seq()
+        metrics_sub = await self.bus.js.subscribe(
+            self.bus.subjects.metrics_all, ordered_consumer=True, cb=self._on_metrics
+        )
+        try:
+            if self.once:
+                await self._run_once(replay_to)
+            elif self.as_json:
+                while True:
+                    await self._poll_queues()
+                    self._publish(json_line=True)
+                    if await self.sleep_unless_stopping(refresh):
+                        break
+            else:
+                await self._run_live(refresh)
+        finally:
+            with contextlib.suppress(Exception):
+                await hb_sub.unsubscribe()
+            with contextlib.suppress(Exception):
+                await metrics_sub.unsubscribe()
+            if self.exporter is not None:
+                self.exporter.stop()
+
+    def _publish(self, json_line: bool = False) -> dict[str, Any]:
+        snap = self.snapshot()
+        if self.exporter is not None:
+            self.exporter.update(snap)
+        if json_line:
+            print(json.dumps(snap), flush=True)
+        return snap
+
+    async def _run_once(self, replay_to: int) -> None:
+        """Collect ~2.5 heartbeat periods and the replayed metrics (at most 10 s more), then print once."""
+        start = time.monotonic()
+        deadline = start + max(2.5 * self.cfg.bus.heartbeat_s, 1.0)
+        while not self.stopping.is_set():
+            now = time.monotonic()
+            if now >= deadline and (self._metrics_seq >= replay_to or now >= deadline + 10.0):
+                break
+            await asyncio.sleep(0.1)
+        await self._poll_queues()
+        if self.as_json:
+            self._publish(json_line=True)
+        else:
+            from rich.console import Console
+
+            self._publish()
+            Console().print(self.render())
+
+    async def _run_live(self, refresh: float) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        from miles.monitoring.view import render
+
+        await self._poll_queues()
+        with Live(render(self._publish()), console=Console(), auto_refresh=False, transient=False) as live:
+            while not await self.sleep_unless_stopping(refresh):
+                await self._poll_queues()
+                live.update(render(self._publish()), refresh=True)
+            live.update(render(self._publish()), refresh=True)

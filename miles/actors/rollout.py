@@ -1,4 +1,7 @@
-"""Rollout worker: pull prompt groups, generate at a known policy version, score, publish trajectories.
+"""Rollout worker: pull prompt groups, generate at known policy versions, score, publish trajectories.
+
+A group is generated with at least the version it was issued at; newer weights that arrive while
+it generates switch in at a token boundary, and each completion records its version spans.
 
 Delivery contract: a prompt message is acked only after the trajectory built from it has been
 stored by JetStream. A worker killed mid-batch leaves its prompts unacked, and JetStream
@@ -16,7 +19,7 @@ from nats.aio.msg import Msg
 from miles.actors.base import Actor, keep_in_progress
 from miles.bus.dataplane import WeightStore
 from miles.bus.schema import Completion, Heartbeat, PromptGroup, Trajectory
-from miles.engines.base import Engine, SamplingParams
+from miles.engines.base import SamplingParams, StagingEngine
 from miles.sync.follower import WeightFollower
 from miles.tasks.base import Sample, Task
 
@@ -24,7 +27,7 @@ from miles.tasks.base import Sample, Task
 class RolloutWorker(Actor):
     role = "rollout"
 
-    engine: Engine
+    engine: StagingEngine
     follower: WeightFollower
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
@@ -107,7 +110,8 @@ class RolloutWorker(Actor):
             needed = max(g.issued_at_version for _, g in groups)
             if not await self.follower.wait_for(needed, self.stopping):
                 return  # stopping: leave the prompts unacked so another worker gets them
-            self.follower.apply_staged()
+            # generate() first applies what is staged (>= needed), so every token is at >= the floor;
+            # weights staged while it runs switch in at a token boundary (recorded in version_spans).
             prompt_ids = [encode(g.prompt) for _, g in groups]
             size = self.cfg.rollout.group_size
             batch = [ids for ids in prompt_ids for _ in range(size)]
@@ -127,6 +131,7 @@ class RolloutWorker(Actor):
                             reward=float(task.reward(text, sample)),
                             finish_reason=gen.finish_reason,
                             weight_version=gen.weight_version,
+                            version_spans=[[start, version] for start, version in gen.version_spans],
                         )
                     )
                 traj = Trajectory(

@@ -44,6 +44,7 @@ def policy_loss(
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
     token_weights: Tensor | None = None,
+    ratio_cap: float | None = None,
     num_tokens: float | Tensor | None = None,
     num_sequences: float | Tensor | None = None,
 ) -> PolicyLossOutput:
@@ -64,6 +65,10 @@ def policy_loss(
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
         token_weights: ``(B, T)`` extra per-token multipliers of the policy-gradient term, e.g.
             truncated importance weights for off-policy correction. Detached: they scale, not steer.
+        ratio_cap: truncate the ratio to ``min(ratio, ratio_cap)`` before the PPO clip (no gradient
+            through truncated tokens; for negative advantages this is dual-clip PPO). Used when the
+            ratio is taken against the behaviour policy (``miles.algo.offpolicy``, mode ``"tis"``);
+            truncated tokens count in ``clip_frac``.
         num_tokens: normaliser of the token means (default: masked tokens here); pass the global
             count across data-parallel ranks.
         num_sequences: normaliser of the ``"sequence"`` mean (default: sequences here with at least
@@ -77,6 +82,8 @@ def policy_loss(
         raise ValueError("kl_coef > 0 needs ref_logp")
     if entropy_coef != 0 and entropy is None:
         raise ValueError("entropy_coef != 0 needs entropy")
+    if ratio_cap is not None and ratio_cap <= 0:
+        raise ValueError("ratio_cap must be > 0")
 
     mask = mask.to(logp.dtype)  # (B, T)
     adv = advantages.to(logp.dtype)
@@ -85,6 +92,10 @@ def policy_loss(
 
     log_ratio = logp - old_logp  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
+    truncated = torch.zeros_like(ratio, dtype=torch.bool)
+    if ratio_cap is not None:
+        truncated = ratio.detach() > ratio_cap
+        ratio = torch.clamp(ratio, max=ratio_cap)
     unclipped = -adv * ratio  # (B, T)
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)  # (B, T)
     pg = torch.maximum(unclipped, clipped)  # (B, T) pessimistic bound
@@ -124,7 +135,7 @@ def policy_loss(
     metrics = {
         "loss": loss.detach(),
         "pg_loss": pg_loss.detach(),
-        "clip_frac": token_mean((clipped > unclipped).to(logp.dtype)),
+        "clip_frac": token_mean(((clipped > unclipped) | truncated).to(logp.dtype)),
         "ppo_kl": token_mean(-log_ratio),
         "kl_ref": kl_ref.detach(),
         "entropy": ent.detach(),

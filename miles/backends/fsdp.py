@@ -33,6 +33,7 @@ from transformers import PreTrainedModel
 
 from miles.algo.logprobs import token_entropy, token_logprobs
 from miles.algo.losses import policy_loss
+from miles.algo.offpolicy import SUM_KEYS, importance_weights, ratio_base, ratio_cap, summarize
 from miles.backends.base import StepResult, TrainSample
 from miles.backends.checkpoint_io import atomic_torch_save, load_torch
 from miles.backends.packing import PackedBatch, micro_batches, num_micro_batches, pack
@@ -42,7 +43,7 @@ log = structlog.get_logger(__name__)
 
 CHECKPOINT_FORMAT = 1
 # Loss metrics that policy_loss returns as additive per-rank shares (summed across ranks).
-_SHARE_METRICS = ("loss", "pg_loss", "clip_frac", "ppo_kl", "kl_ref", "entropy", "logp_mismatch")
+_SHARE_METRICS = ("loss", "pg_loss", "clip_frac", "ppo_kl", "kl_ref", "entropy")
 
 
 class FsdpBackend:
@@ -185,9 +186,15 @@ class FsdpBackend:
         """One optimizer step over this rank's shard. Collective; every rank gets the same metrics.
 
         The proximal ("old") log-probs are the current weights before the update, from a no-grad
-        forward; the behaviour log-probs of the engine are only compared against them
-        (``logp_mismatch``). Token and sequence means are normalised by the global counts, so the
-        update equals a single-rank step on the concatenated batch.
+        forward. ``algo.off_policy`` decides how the behaviour log-probs of the engine correct the
+        objective (``miles.algo.offpolicy``: importance weights, or the ratio taken against the
+        behaviour policy for ``"tis"``); in every mode they are compared against the proximal ones
+        (``logp_mismatch``, ``behaviour_kl``, ``is_ess``, ``is_weight_mean``, ``is_clipped_frac``).
+        ``ppo_kl`` is the mean of ``log pi_base - log pi_theta`` over the first forward, where
+        ``pi_base`` is the policy the ratio is taken against: 0 for the proximal modes (one
+        optimizer step per call), and the behaviour-vs-current log-ratio for ``"tis"``. Token and
+        sequence means, and these statistics, are normalised by the global counts, so the update
+        and the metrics equal a single-rank step on the concatenated batch.
         """
         batches = [pack(chunk, self.pad_token_id, self.device) for chunk in self._chunks(samples)]
         counts = torch.tensor(
@@ -203,7 +210,9 @@ class FsdpBackend:
             ref_logps = [self._logprobs_no_grad(self.ref_model, b) for b in batches]
 
         self.optimizer.zero_grad(set_to_none=True)
-        shares = torch.zeros(len(_SHARE_METRICS), dtype=torch.float32, device=self.device)
+        mode, cap = self.algo.off_policy, ratio_cap(self.algo.off_policy, self.algo)
+        # policy_loss shares, then off-policy sums; float64 so that the sums stay exact at scale.
+        shares = torch.zeros(len(_SHARE_METRICS) + len(SUM_KEYS), dtype=torch.float64, device=self.device)
         for batch, old_logp, ref_logp in zip(batches, old_logps, ref_logps, strict=True):
             logits = self._logits(self.model, batch)  # (B, T-1, V)
             logp = token_logprobs(logits, batch.targets, self.temperature)  # (B, T-1)
@@ -212,13 +221,12 @@ class FsdpBackend:
             else:
                 with torch.no_grad():
                     entropy = token_entropy(logits.detach(), self.temperature)  # metric only
-            token_weights = None
-            if self.algo.off_policy == "tis":  # pi_prox / pi_behaviour, truncated: corrects stale samples
-                token_weights = (old_logp - batch.behaviour_logp).exp().clamp(max=self.algo.tis_clip)
-                token_weights = token_weights * batch.loss_mask
+            token_weights, sums = importance_weights(
+                mode, old_logp, batch.behaviour_logp, batch.loss_mask, self.algo
+            )  # (B, T-1) or None
             out = policy_loss(
                 logp,
-                old_logp,
+                ratio_base(mode, old_logp, batch.behaviour_logp),
                 batch.advantages,
                 batch.loss_mask,
                 clip_low=self.algo.clip_low,
@@ -231,11 +239,10 @@ class FsdpBackend:
                 num_tokens=num_tokens,
                 num_sequences=num_sequences,
                 token_weights=token_weights,
+                ratio_cap=cap,
             )
             (out.loss * self._grad_scale).backward()
-            mismatch = ((old_logp - batch.behaviour_logp).abs() * batch.loss_mask).sum() / max(num_tokens, 1.0)
-            out.metrics["logp_mismatch"] = mismatch
-            shares += torch.stack([out.metrics[k].float() for k in _SHARE_METRICS])
+            shares += torch.stack([out.metrics[k].double() for k in _SHARE_METRICS] + [sums[k] for k in SUM_KEYS])
 
         grad_norm = _as_local(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
         grad_norm_value = float(grad_norm.item())
@@ -247,7 +254,8 @@ class FsdpBackend:
         self.optimizer.zero_grad(set_to_none=True)
 
         totals = self._all_reduce(shares).tolist()  # shares sum to the global values
-        metrics = dict(zip(_SHARE_METRICS, totals, strict=True))
+        metrics = dict(zip(_SHARE_METRICS, totals[: len(_SHARE_METRICS)], strict=True))
+        metrics.update(summarize(dict(zip(SUM_KEYS, totals[len(_SHARE_METRICS) :], strict=True))))
         metrics.update(
             grad_norm=grad_norm_value,
             num_tokens=num_tokens,

@@ -13,7 +13,7 @@ import time
 from typing import Any, ClassVar, Literal, TypeVar
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 SCHEMA_VERSION = 1
 
@@ -55,7 +55,47 @@ class Completion(Message):
     logprobs: list[float] = Field(description="Behaviour log-prob per output token.")
     reward: float
     finish_reason: str
-    weight_version: int = Field(description="Policy version that generated every token of this completion.")
+    weight_version: int = Field(description="Policy version that generated the first (oldest) output token.")
+    version_spans: list[list[int]] = Field(
+        default_factory=list,
+        description="[start_index, version] pairs, increasing: the version in force from output token start_index "
+        "on (weights switched mid-generation). Empty: one span, every token at weight_version.",
+    )
+
+    @model_validator(mode="after")
+    def _check_spans(self) -> Completion:
+        spans = self.version_spans
+        if not spans:
+            return self
+        if any(len(s) != 2 for s in spans):
+            raise ValueError("version_spans entries must be [start_index, version] pairs")
+        if spans[0] != [0, self.weight_version]:
+            raise ValueError("version_spans must start with [0, weight_version]")
+        for (start, version), (nxt, nxt_version) in zip(spans, spans[1:]):
+            if nxt <= start or nxt_version < version:
+                raise ValueError("version_spans must have increasing starts and non-decreasing versions")
+        if spans[-1][0] >= max(len(self.output_ids), 1):
+            raise ValueError("version_spans start past the last output token")
+        return self
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """``(start_index, version)`` per span, the default single span included."""
+        if not self.version_spans:
+            return [(0, self.weight_version)]
+        return [(int(start), int(version)) for start, version in self.version_spans]
+
+    @property
+    def oldest_version(self) -> int:
+        return min(version for _, version in self.spans)
+
+    def token_versions(self) -> list[int]:
+        """The policy version that sampled each output token."""
+        out: list[int] = []
+        spans = self.spans
+        for (start, version), (end, _) in zip(spans, [*spans[1:], (len(self.output_ids), 0)]):
+            out.extend([version] * (end - start))
+        return out
 
 
 class Trajectory(Message):
@@ -72,7 +112,8 @@ class Trajectory(Message):
 
     @property
     def oldest_version(self) -> int:
-        return min(c.weight_version for c in self.completions)
+        """The oldest policy version behind any token of any completion (min over all version spans)."""
+        return min(c.oldest_version for c in self.completions)
 
     @property
     def num_tokens(self) -> int:

@@ -26,6 +26,11 @@ class Generation:
     ``logprobs[i]`` is the behaviour log-probability of ``output_ids[i]`` under the sampling
     distribution the engine actually drew from (temperature applied, before top-p truncation),
     which is what off-policy corrections need.
+
+    ``weight_version`` is the version that sampled the first output token (the oldest one).
+    ``version_spans`` is ``[(first output index, version), ...]`` in increasing index order: the
+    version in force from that token on, one span when the weights did not change mid-generation
+    (left empty by an engine, it becomes ``[(0, weight_version)]``).
     """
 
     prompt_ids: list[int]
@@ -33,6 +38,11 @@ class Generation:
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
     weight_version: int
+    version_spans: list[tuple[int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.version_spans:
+            self.version_spans = [(0, self.weight_version)]
 
 
 class Engine(Protocol):
@@ -49,4 +59,24 @@ class Engine(Protocol):
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Swap in a full set of weights (names as in the HF state dict) and adopt ``version``."""
+        ...
+
+
+class StagingEngine(Engine, Protocol):
+    """An engine that takes new weights in the background and switches to them between tokens."""
+
+    @property
+    def pending_version(self) -> int | None:
+        """Version staged (or being applied) but not yet in use; None if none."""
+        ...
+
+    switches: int
+    last_pause_s: float
+
+    def stage_weights(self, state: dict[str, torch.Tensor], version: int) -> bool:
+        """Validate and park weights for the next token boundary; False if not newer than what it holds."""
+        ...
+
+    def apply_pending(self) -> bool:
+        """Apply staged weights now if idle; True if the version changed."""
         ...

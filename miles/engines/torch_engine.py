@@ -1,24 +1,43 @@
 """Embedded generation engine: our own batched KV-cache sampling loop over an HF causal LM.
 
 Why not ``model.generate``: we need the exact behaviour log-prob of every sampled token and
-control at every token boundary (weights are swapped between steps by a later feature), both of
-which are awkward through the generic generation API. The loop is short: one prefill of the
-left-padded batch, then one single-token forward per step with the cache.
+control at every token boundary (new weights switch in between two decode steps), both of which
+are awkward through the generic generation API. The loop is short: one prefill of the left-padded
+batch, then one single-token forward per step with the cache.
+
+In-flight weight updates. :meth:`TorchEngine.stage_weights` puts a validated weight set in a
+pending slot (newest version wins, never backwards); the sampling loop takes it at the next token
+boundary and copies it into the model in place, so a long generation does not hold back a new
+policy. Each :class:`Generation` records ``version_spans``: the output index from which each
+version sampled.
+
+KV-cache policy: **keep**. After a switch the cache computed by the old weights for the prompt and
+the tokens generated so far is kept; only new tokens are computed with the new weights (as
+PipelineRL and AReaL do). Recomputing the prefix would cost a full prefill of prompt + output per
+switch for the whole batch, stall every row in it, and still would not make the earlier tokens
+on-policy. Keeping it is exact where it matters: every token's behaviour log-prob is the
+log-prob of the distribution it was actually drawn from (new weights over the old cache), which
+is what the trainer's importance ratios correct against, and staleness is bounded by the oldest
+span's version.
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
+import structlog
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from miles.config import TorchEngineConfig
 from miles.engines.base import Generation, SamplingParams
 from miles.models.loading import to_torch_dtype
+
+log = structlog.get_logger(__name__)
 
 
 def sample_next(
@@ -71,10 +90,21 @@ def _new_cache(model: PreTrainedModel) -> DynamicCache:
 
 
 class TorchEngine:
-    """Batched sampling with an in-process HF model, at a known weight version.
+    """Batched sampling with an in-process HF model, at known weight versions.
 
-    ``generate`` and ``load_weights`` serialise on one lock, so a generation never mixes two weight
-    versions and the ``weight_version`` recorded in each :class:`Generation` is exact.
+    Two ways to change weights:
+
+    * :meth:`load_weights` copies immediately; it waits for a running generation to finish (one
+      lock serialises generation and copies), so it never lands mid-generation.
+    * :meth:`stage_weights` (thread-safe, non-blocking; meant for the event-loop thread while
+      :meth:`generate` runs in a worker thread) validates the weights and parks them in a pending
+      slot. A running generation applies them at its next token boundary, keeping its KV cache
+      (see the module docstring); otherwise the next :meth:`generate` or :meth:`apply_pending` does.
+
+    ``Generation.weight_version`` is the version of the first generated token (the oldest one) and
+    ``Generation.version_spans`` says which version sampled which tokens. Every applied switch is
+    counted in ``switches`` and its copy time (the generation pause) kept in ``last_pause_s`` and
+    ``pauses_s``.
     """
 
     def __init__(
@@ -90,7 +120,13 @@ class TorchEngine:
         self.device = torch.device(self.cfg.device)
         self.pad_token_id = int(pad_token_id)
         self._version = int(version)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # generation and weight copies
+        self._slot_lock = threading.Lock()  # the pending slot below; never held across a copy
+        self._pending: tuple[int, Mapping[str, torch.Tensor]] | None = None
+        self._applying: int | None = None  # version being copied in (taken from the slot, not yet adopted)
+        self.switches = 0
+        self.last_pause_s = 0.0
+        self.pauses_s: list[float] = []  # one per applied switch (bounded: the most recent 1000)
         self._cache_arg, self._forward_extra = _forward_kwargs(self.model)
         self._generator = torch.Generator(device=self.device)
         if seed is None:
@@ -103,10 +139,21 @@ class TorchEngine:
         """Policy version of the weights generation currently uses."""
         return self._version
 
+    @property
+    def pending_version(self) -> int | None:
+        """Version staged (or being copied in) but not yet adopted; None if none."""
+        with self._slot_lock:
+            if self._pending is not None:
+                return self._pending[0]
+            return self._applying
+
     # ------------------------------------------------------------------ generation
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """One completion per prompt. Output ids include the stop token that ended a row, if any."""
+        """One completion per prompt. Output ids include the stop token that ended a row, if any.
+
+        Staged weights are applied first; weights staged while it runs switch in at a token boundary.
+        """
         if not prompts:
             return []
         if any(len(p) == 0 for p in prompts):
@@ -114,22 +161,29 @@ class TorchEngine:
         if params.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {params.max_new_tokens}")
         with self._lock, torch.inference_mode():
-            version = self._version
-            tokens, logprobs, lengths, stopped = self._sample_loop(prompts, params)
-        return [
-            Generation(
-                prompt_ids=list(prompt),
-                output_ids=tokens[i][: lengths[i]],
-                logprobs=logprobs[i][: lengths[i]],
-                finish_reason="stop" if stopped[i] else "length",
-                weight_version=version,
+            self._apply_pending_locked(at_token=None)
+            spans = [(0, self._version)]
+            tokens, logprobs, lengths, stopped = self._sample_loop(prompts, params, spans)
+        gens = []
+        for i, prompt in enumerate(prompts):
+            # A span that starts at or after a row's end never sampled any of that row's tokens.
+            row_spans = [spans[0]] + [s for s in spans[1:] if s[0] < lengths[i]]
+            gens.append(
+                Generation(
+                    prompt_ids=list(prompt),
+                    output_ids=tokens[i][: lengths[i]],
+                    logprobs=logprobs[i][: lengths[i]],
+                    finish_reason="stop" if stopped[i] else "length",
+                    weight_version=row_spans[0][1],
+                    version_spans=row_spans,
+                )
             )
-            for i, prompt in enumerate(prompts)
-        ]
+        return gens
 
     def _sample_loop(
-        self, prompts: list[list[int]], params: SamplingParams
+        self, prompts: list[list[int]], params: SamplingParams, spans: list[tuple[int, int]]
     ) -> tuple[list[list[int]], list[list[float]], list[int], list[bool]]:
+        """The batched loop; appends ``(first output index, version)`` to ``spans`` at every switch."""
         dev = self.device
         batch, width = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)  # (B, T)
@@ -158,6 +212,9 @@ class TorchEngine:
             finished |= torch.isin(tokens, stop_ids)
             if step + 1 == params.max_new_tokens or bool(finished.all()):
                 break
+            # Token boundary: newer staged weights switch in here; the KV cache is kept (module docstring).
+            if self._pending is not None and self._apply_pending_locked(at_token=step + 1):
+                spans.append((step + 1, self._version))
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=dev)], dim=1)  # (B, T+step+1)
             out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=next_pos, **fwd)
             next_pos = next_pos + 1
@@ -165,27 +222,96 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ weights
 
+    def _validate(self, state: Mapping[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
+        """Check ``state`` covers the model with the right shapes; return the model's state dict."""
+        targets = self.model.state_dict()
+        for key in state:
+            if key not in targets:
+                raise ValueError(f"{what}: unexpected key {key!r} (not in the model's state dict)")
+        provided_storages = {targets[k].untyped_storage().data_ptr() for k in state}
+        for key, target in targets.items():
+            if key not in state and target.untyped_storage().data_ptr() not in provided_storages:
+                raise ValueError(f"{what}: missing key {key!r}")
+        for key, tensor in state.items():
+            if tuple(tensor.shape) != tuple(targets[key].shape):
+                raise ValueError(
+                    f"{what}: shape mismatch for {key!r}: got {tuple(tensor.shape)}, "
+                    f"model has {tuple(targets[key].shape)}"
+                )
+        return targets
+
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy a full HF state dict into the model in place (dtype/device converted), adopt ``version``.
 
         Everything is validated before anything is copied, so a bad payload leaves the old weights
         intact. Tied parameters (e.g. ``lm_head.weight`` sharing the embedding) may be given once.
+        Immediate and unconditional (any version, even an older one); waits for a running generation.
+        A staged version not newer than ``version`` is dropped.
         """
-        targets = self.model.state_dict()
-        for key in state:
-            if key not in targets:
-                raise ValueError(f"load_weights: unexpected key {key!r} (not in the model's state dict)")
-        provided_storages = {targets[k].untyped_storage().data_ptr() for k in state}
-        for key, target in targets.items():
-            if key not in state and target.untyped_storage().data_ptr() not in provided_storages:
-                raise ValueError(f"load_weights: missing key {key!r}")
-        for key, tensor in state.items():
-            if tuple(tensor.shape) != tuple(targets[key].shape):
-                raise ValueError(
-                    f"load_weights: shape mismatch for {key!r}: got {tuple(tensor.shape)}, "
-                    f"model has {tuple(targets[key].shape)}"
-                )
+        targets = self._validate(state, "load_weights")
         with self._lock, torch.no_grad():
             for key, tensor in state.items():
                 targets[key].copy_(tensor)
             self._version = int(version)
+            with self._slot_lock:
+                if self._pending is not None and self._pending[0] <= self._version:
+                    self._pending = None
+
+    def stage_weights(self, state: Mapping[str, torch.Tensor], version: int) -> bool:
+        """Park a full weight set to be applied at the next token boundary (or next generate/apply_pending).
+
+        Thread-safe and non-blocking (the copy happens later, in the thread that applies it). Keys and
+        shapes are validated now (``ValueError``, nothing staged). Newest version wins: a version not
+        newer than the one in use, being applied or already staged is ignored (returns False), so a
+        worker several versions behind jumps to the newest and never goes back. The caller must not
+        mutate ``state`` afterwards.
+        """
+        self._validate(state, "stage_weights")
+        version = int(version)
+        with self._slot_lock:
+            newest = max(
+                self._version,
+                self._pending[0] if self._pending is not None else -1,
+                self._applying if self._applying is not None else -1,
+            )
+            if version <= newest:
+                return False
+            self._pending = (version, state)
+        return True
+
+    def apply_pending(self) -> bool:
+        """Apply staged weights now if the engine is idle; True if it switched.
+
+        Never blocks on a running generation (that one applies them at its next token boundary).
+        """
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            with torch.no_grad():
+                return self._apply_pending_locked(at_token=None)
+        finally:
+            self._lock.release()
+
+    def _apply_pending_locked(self, at_token: int | None) -> bool:
+        """Copy the staged weights in (caller holds ``_lock``); True if the version changed."""
+        with self._slot_lock:
+            staged, self._pending = self._pending, None
+            if staged is None or staged[0] <= self._version:
+                return False
+            version, state = staged
+            self._applying = version
+        try:
+            start = time.perf_counter()
+            targets = self.model.state_dict()
+            for key, tensor in state.items():
+                targets[key].copy_(tensor)
+            pause = time.perf_counter() - start
+            self._version = version
+        finally:
+            with self._slot_lock:
+                self._applying = None
+        self.switches += 1
+        self.last_pause_s = pause
+        self.pauses_s = [*self.pauses_s[-999:], pause]
+        log.info("weights_applied", version=version, pause_ms=round(pause * 1e3, 2), at_token=at_token)
+        return True

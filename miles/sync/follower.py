@@ -1,11 +1,15 @@
 """Rollout side of weight sync: follow announcements, fetch and verify in the background, swap fast.
 
-The worker keeps generating while a new version downloads; :meth:`WeightFollower.apply_staged`
-is the only part that pauses generation, and it only copies already-verified tensors into the
-engine. A payload whose checksum fails is never staged: the follower logs and counts it, then
-fetches again after a short pause (the newest version, if a newer one was announced meanwhile),
-so a chunk damaged in transit costs a retry, not a deadlock. A worker several versions behind
-jumps straight to the newest version.
+The worker keeps generating while a new version downloads. Verified weights are handed to the
+engine's pending slot (:meth:`~miles.engines.torch_engine.TorchEngine.stage_weights`); a running
+generation switches to them at its next token boundary, an idle engine on
+:meth:`WeightFollower.apply_staged` or its next generate. The only generation pause is the
+in-place copy of already-verified tensors. A payload whose checksum fails is never staged: the
+follower logs and counts it, then fetches again after a short pause (the newest version, if a
+newer one was announced meanwhile), so a chunk damaged in transit costs a retry, not a deadlock.
+A worker several versions behind jumps straight to the newest version (the engine's slot never
+goes backwards either). A verified payload that does not fit the model (wrong keys or shapes) is
+a deployment error: it is raised from :meth:`wait_for` / :meth:`apply_staged`, failing the worker.
 """
 
 from __future__ import annotations
@@ -21,33 +25,41 @@ from miles.bus.client import Bus, messages_until
 from miles.bus.dataplane import WeightStore
 from miles.bus.errors import BusError, ChecksumMismatch, PayloadMissing
 from miles.bus.schema import WeightsAnnounced
-from miles.engines.base import Engine
+from miles.engines.base import StagingEngine
 from miles.sync.payload import deserialize_state
 
 log = structlog.get_logger(__name__)
 
 
 class WeightFollower:
-    """Tracks the newest announced version and stages verified weights for the engine."""
+    """Tracks the newest announced version and stages verified weights in the engine."""
 
-    def __init__(self, bus: Bus, store: WeightStore, engine: Engine) -> None:
+    def __init__(self, bus: Bus, store: WeightStore, engine: StagingEngine) -> None:
         self.bus = bus
         self.store = store
         self.engine = engine
         self.latest: WeightsAnnounced | None = None
-        self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
         self._changed = asyncio.Condition()
+        self._error: ValueError | None = None
         self.checksum_failures = 0
-        self.syncs = 0
-        self.last_pause_s = 0.0
         self.last_fetch_s = 0.0
         self.retry_s = 2.0
 
     @property
     def held_version(self) -> int:
-        """Newest version the worker can generate with right now (applied or staged)."""
-        staged = self._staged[0] if self._staged else -1
-        return max(self.engine.version, staged)
+        """Newest version the worker can generate with right now (applied or staged in the engine)."""
+        pending = self.engine.pending_version
+        return max(self.engine.version, -1 if pending is None else pending)
+
+    @property
+    def syncs(self) -> int:
+        """Weight switches the engine applied (between batches or mid-generation)."""
+        return self.engine.switches
+
+    @property
+    def last_pause_s(self) -> float:
+        """Generation pause of the latest switch (the in-place copy)."""
+        return self.engine.last_pause_s
 
     async def run(self, stopping: asyncio.Event) -> None:
         """Consume announcements (starting with the newest already published) until ``stopping``."""
@@ -79,9 +91,15 @@ class WeightFollower:
                 await asyncio.sleep(self.retry_s)
                 continue
             self.last_fetch_s = time.perf_counter() - start
-            self._staged = (ann.version, state)
+            try:
+                self.engine.stage_weights(state, ann.version)  # validates; ignored if not newer
+            except ValueError as exc:
+                log.error("weights_rejected", version=ann.version, error=str(exc))
+                self._error = exc
             async with self._changed:
                 self._changed.notify_all()
+            if self._error is not None:
+                return
 
     async def _fetch_verified(self, ann: WeightsAnnounced) -> dict[str, torch.Tensor] | None:
         """The payload of ``ann``, digest-verified and deserialised; None if it cannot be had intact."""
@@ -106,24 +124,23 @@ class WeightFollower:
         return None
 
     async def wait_for(self, version: int, stopping: asyncio.Event) -> bool:
-        """Wait until weights of at least ``version`` are applied or staged; False if stopping first."""
+        """Wait until weights of at least ``version`` are applied or staged; False if stopping first.
+
+        Raises the ``ValueError`` of a verified payload the engine rejected (it will never fit).
+        """
         async with self._changed:
-            while self.held_version < version and not stopping.is_set():
+            while self.held_version < version and not stopping.is_set() and self._error is None:
                 try:
                     await asyncio.wait_for(self._changed.wait(), timeout=0.5)
                 except asyncio.TimeoutError:
                     pass
+        if self._error is not None:
+            raise self._error
         return self.held_version >= version
 
     def apply_staged(self) -> bool:
-        """Swap staged weights into the engine (the generation pause). Returns True if it swapped."""
-        staged, self._staged = self._staged, None
-        if staged is None or staged[0] <= self.engine.version:
-            return False
-        version, state = staged
-        start = time.perf_counter()
-        self.engine.load_weights(state, version)
-        self.last_pause_s = time.perf_counter() - start
-        self.syncs += 1
-        log.info("weights_applied", version=version, pause_ms=round(self.last_pause_s * 1e3, 2))
-        return True
+        """Apply the engine's staged weights now if it is idle (a running generation does so itself at
+        its next token boundary). Returns True if it switched."""
+        if self._error is not None:
+            raise self._error
+        return self.engine.apply_pending()

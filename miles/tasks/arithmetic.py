@@ -8,16 +8,9 @@ policy generalised rather than memorised.
 from __future__ import annotations
 
 import random
-import re
 
 from miles.config import ArithmeticTaskConfig
-from miles.tasks.base import Sample
-
-# Text the decoder may leave in a completion when special tokens are not skipped: everything
-# from the first of these on is ignored by the reward.
-END_MARKERS: tuple[str, ...] = ("<eos>", "</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<pad>")
-
-_WHITESPACE = re.compile(r"\s")
+from miles.tasks.base import ExactMatchTask, Sample
 
 
 def _apply(op: str, a: int, b: int) -> int:
@@ -30,19 +23,7 @@ def _apply(op: str, a: int, b: int) -> int:
     raise ValueError(f"unknown operation {op!r}")
 
 
-def first_answer(completion: str) -> str:
-    """The answer a completion commits to: stripped, cut at the first end marker or whitespace."""
-    text = completion
-    for marker in END_MARKERS:
-        cut = text.find(marker)
-        if cut >= 0:
-            text = text[:cut]
-    text = text.strip()
-    match = _WHITESPACE.search(text)
-    return text[: match.start()] if match else text
-
-
-class ArithmeticTask:
+class ArithmeticTask(ExactMatchTask):
     """``a op b =`` problems over ``[0, max_operand]``; train and eval are deterministic and disjoint.
 
     Every distinct problem has an index in ``[0, n_ops * (max_operand + 1) ** 2)``. The eval split is a
@@ -80,13 +61,3 @@ class ArithmeticTask:
         op = self._ops[op_i]
         answer = str(_apply(op, a, b))
         return Sample(id=sample_id, prompt=f"{a}{op}{b}=", answer=answer, meta={"a": a, "b": b, "op": op})
-
-    def samples(self, split: str) -> list[Sample]:
-        """The split's samples (a fresh list each call; the samples themselves are shared)."""
-        if split not in self._splits:
-            raise ValueError(f"unknown split {split!r}; expected 'train' or 'eval'")
-        return list(self._splits[split])
-
-    def reward(self, completion: str, sample: Sample) -> float:
-        """1.0 iff the first whitespace-delimited token of the completion is exactly the answer."""
-        return 1.0 if first_answer(completion) == sample.answer else 0.0

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from miles.config import ArithmeticTaskConfig, JsonlTaskConfig
+from miles.config import ArithmeticTaskConfig, CopyTaskConfig, JsonlTaskConfig
 from miles.tasks.base import Task
 
 
-def build_task(cfg: ArithmeticTaskConfig | JsonlTaskConfig) -> Task:
+def build_task(cfg: ArithmeticTaskConfig | JsonlTaskConfig | CopyTaskConfig) -> Task:
     """The :class:`Task` for ``cfg``; JSONL files and the reward import are validated here."""
     if cfg.type == "arithmetic":
         from miles.tasks.arithmetic import ArithmeticTask
@@ -16,4 +16,8 @@ def build_task(cfg: ArithmeticTaskConfig | JsonlTaskConfig) -> Task:
         from miles.tasks.jsonl import JsonlTask
 
         return JsonlTask(cfg)
+    if cfg.type == "copy":
+        from miles.tasks.copy import CopyTask
+
+        return CopyTask(cfg)
     raise ValueError(f"unknown task type {cfg.type!r}")

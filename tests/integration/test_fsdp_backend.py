@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,68 @@ def test_positive_advantage_raises_logprob() -> None:
     )
 
 
+OFF_POLICY_MODES = ("none", "tis", "masked_is", "sequence", "decoupled_ppo")
+OFF_POLICY_METRICS = ("logp_mismatch", "behaviour_kl", "is_weight_mean", "is_ess", "is_clipped_frac")
+
+
+@pytest.mark.parametrize("mode", OFF_POLICY_MODES)
+def test_stale_behaviour_step_reports_offpolicy_metrics(mode: str) -> None:
+    """Behaviour log-probs off the proximal ones by log-ratios of both signs (some tokens and sequences beyond
+    every clip and band; the one-token sample has ratio e > tis_clip)."""
+    backend = FsdpBackend(tiny_model(), PAD, trainer_cfg(micro_batch_size=4, off_policy=mode), 0, 1)
+    samples = global_batch(0)
+    prox = backend.logprobs(samples)
+    shifts = iter([-1.0, 0.3, 0.9, -0.2, 1.5] * 5)  # log pi_behaviour - log pi_prox, token by token
+    samples = [
+        TrainSample(s.prompt_ids, s.output_ids, [p + next(shifts) for p in row], s.advantage, s.weight_version)
+        for s, row in zip(samples, prox, strict=True)
+    ]
+    metrics = backend.train_step(samples).metrics
+    pairs = [(p, b) for s, row in zip(samples, prox, strict=True) for p, b in zip(row, s.behaviour_logprobs)]
+    assert metrics["num_tokens"] == len(pairs)
+    assert metrics["logp_mismatch"] == pytest.approx(sum(abs(p - b) for p, b in pairs) / len(pairs), rel=1e-5)
+    k3 = sum(math.exp(p - b) - 1 - (p - b) for p, b in pairs) / len(pairs)
+    assert metrics["behaviour_kl"] == pytest.approx(k3, rel=1e-4)
+    assert all(math.isfinite(metrics[k]) for k in OFF_POLICY_METRICS)
+    assert 0 < metrics["is_ess"] <= 1 and 0 <= metrics["is_clipped_frac"] <= 1
+    if mode == "none":
+        assert metrics["is_ess"] == 1.0 and metrics["is_clipped_frac"] == 0.0 and metrics["ppo_kl"] == 0.0
+    else:
+        assert metrics["is_ess"] < 1 and metrics["is_clipped_frac"] > 0
+    if mode in ("tis", "decoupled_ppo"):  # the effective weight is min(pi_prox / pi_behaviour, tis_clip)
+        w = [min(math.exp(p - b), 2.0) for p, b in pairs]
+        assert metrics["is_ess"] == pytest.approx(sum(w) ** 2 / (len(w) * sum(x * x for x in w)), rel=1e-4)
+    if mode == "tis":  # the ratio is against the behaviour policy: ppo_kl = mean(behaviour - proximal)
+        assert metrics["ppo_kl"] == pytest.approx(sum(b - p for p, b in pairs) / len(pairs), rel=1e-4)
+    else:  # proximal = current weights at the step start
+        assert metrics["ppo_kl"] == 0.0
+
+
+@pytest.mark.parametrize("mode", OFF_POLICY_MODES)
+def test_on_policy_behaviour_makes_every_mode_equal_none(mode: str) -> None:
+    """max_staleness 0 and no numeric mismatch: behaviour == proximal, so every correction is a no-op."""
+
+    def on_policy(backend: FsdpBackend) -> list[TrainSample]:
+        samples = global_batch(0)
+        return [
+            TrainSample(s.prompt_ids, s.output_ids, lp, s.advantage, s.weight_version)
+            for s, lp in zip(samples, backend.logprobs(samples), strict=True)
+        ]
+
+    plain = FsdpBackend(tiny_model(), PAD, trainer_cfg(micro_batch_size=4, off_policy="none"), 0, 1)
+    corrected = FsdpBackend(tiny_model(), PAD, trainer_cfg(micro_batch_size=4, off_policy=mode), 0, 1)
+    expected = plain.train_step(on_policy(plain)).metrics
+    metrics = corrected.train_step(on_policy(corrected)).metrics
+    assert abs(metrics["ppo_kl"]) < 1e-6
+    assert metrics["logp_mismatch"] < 1e-6 and abs(metrics["behaviour_kl"]) < 1e-6
+    assert metrics["is_ess"] == pytest.approx(1.0) and metrics["is_weight_mean"] == pytest.approx(1.0)
+    assert metrics["is_clipped_frac"] == 0.0
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for (name, a), b in zip(weights(plain).items(), weights(corrected).values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+
+
 def test_micro_batches_match_one_batch() -> None:
     whole = FsdpBackend(tiny_model(), PAD, trainer_cfg(), 0, 1)
     micro = FsdpBackend(tiny_model(), PAD, trainer_cfg(micro_batch_size=4), 0, 1)
@@ -135,6 +198,8 @@ STEPS = 2
 ALGOS: dict[str, dict[str, Any]] = {
     "token_kl": {"aggregation": "token", "kl_coef": 0.1, "entropy_coef": 0.01},
     "sequence": {"aggregation": "sequence"},
+    "masked_is": {"off_policy": "masked_is", "mis_low": 0.2, "mis_high": 5.0},
+    "sequence_is": {"aggregation": "sequence", "off_policy": "sequence"},
 }
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
@@ -22,17 +21,6 @@ from miles.bus.server import EmbeddedNats
 from .harness import Cluster, check_accounting, small_run_config
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("models")
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[EmbeddedNats]:
-    with EmbeddedNats(tmp_path / "bus") as srv:
-        yield srv
 
 
 def _cluster(tmp_path: Path, server: EmbeddedNats, model_cache: Path, name: str, **overrides: object) -> Cluster:

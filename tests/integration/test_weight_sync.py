@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 
 import pytest
@@ -12,6 +13,7 @@ from miles.bus.client import Bus
 from miles.bus.dataplane import WeightStore
 from miles.bus.schema import WeightsAnnounced
 from miles.config import BusConfig, TinyModelConfig
+from miles.engines.base import SamplingParams
 from miles.engines.torch_engine import TorchEngine
 from miles.models import tiny
 from miles.sync.follower import WeightFollower
@@ -25,9 +27,9 @@ async def bus(nats_server: str) -> AsyncIterator[Bus]:
     await handle.close()
 
 
-def _engine(seed: int) -> TorchEngine:
+def _engine(seed: int, hidden: int = 32) -> TorchEngine:
     tok = tiny.build_char_tokenizer()
-    model = tiny.build_tiny_model(TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, seed=seed), tok)
+    model = tiny.build_tiny_model(TinyModelConfig(hidden_size=hidden, num_layers=1, num_heads=2, seed=seed), tok)
     return TorchEngine(model, tok.pad_token_id)
 
 
@@ -91,6 +93,63 @@ async def test_late_worker_jumps_to_the_newest_version(bus: Bus) -> None:
         assert await asyncio.wait_for(follower.wait_for(5, stopping), 20)
         follower.apply_staged()
         assert engine.version == 5 and follower.syncs == 1  # straight to the newest, nothing in between
+    finally:
+        stopping.set()
+        await task
+
+
+async def test_weights_arriving_mid_generation_switch_in_at_a_token_boundary(bus: Bus) -> None:
+    """The follower stages v1 then v3 while a generation runs; it switches to v3 between two tokens."""
+    store = await WeightStore.create(bus.js, "sync")
+    engine = _engine(seed=0)
+    follower = WeightFollower(bus, store, engine)
+    stopping = asyncio.Event()
+    task = asyncio.create_task(follower.run(stopping))
+    reached, go, calls = threading.Event(), threading.Event(), [0]
+
+    def pause_third_forward(module: torch.nn.Module, args: object) -> None:
+        calls[0] += 1
+        if calls[0] == 3:  # computing token 2
+            reached.set()
+            go.wait(30)
+
+    handle = engine.model.register_forward_pre_hook(pause_third_forward)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    gen = asyncio.create_task(asyncio.to_thread(engine.generate, [[1, 5, 14], [1, 7]], params))
+    try:
+        assert await asyncio.to_thread(reached.wait, 20)
+        for version in (1, 3):
+            await publish_weights(bus, store, _weights(seed=version), version, "bfloat16")
+            assert await asyncio.wait_for(follower.wait_for(version, stopping), 20)
+        assert engine.version == 0 and follower.held_version == 3
+        assert not follower.apply_staged()  # busy: the running generation applies it itself
+        go.set()
+        gens = await asyncio.wait_for(gen, 20)
+        assert all(g.weight_version == 0 and g.version_spans == [(0, 0), (3, 3)] for g in gens)
+        assert engine.version == 3 and follower.syncs == 1 and follower.last_pause_s > 0
+        v3 = _weights(seed=3)
+        assert all(torch.equal(t, v3[n].float()) for n, t in engine.model.state_dict().items())
+    finally:
+        go.set()
+        handle.remove()
+        stopping.set()
+        await task
+
+
+async def test_verified_weights_that_do_not_fit_the_model_fail_loudly(bus: Bus) -> None:
+    store = await WeightStore.create(bus.js, "sync")
+    engine = _engine(seed=0)
+    follower = WeightFollower(bus, store, engine)
+    stopping = asyncio.Event()
+    task = asyncio.create_task(follower.run(stopping))
+    try:
+        wrong = {k: v.to(torch.bfloat16) for k, v in _engine(seed=1, hidden=64).model.state_dict().items()}
+        await publish_weights(bus, store, wrong, 1, "bfloat16")
+        with pytest.raises(ValueError, match="shape mismatch"):
+            await asyncio.wait_for(follower.wait_for(1, stopping), 20)
+        with pytest.raises(ValueError, match="shape mismatch"):
+            follower.apply_staged()
+        assert engine.version == 0 and engine.pending_version is None
     finally:
         stopping.set()
         await task

@@ -8,8 +8,8 @@ from transformers import PreTrainedTokenizerFast
 from miles.config import ArithmeticTaskConfig
 from miles.engines.base import Generation, SamplingParams
 from miles.models.tiny import build_char_tokenizer
-from miles.tasks.arithmetic import ArithmeticTask, first_answer
-from miles.tasks.base import Sample
+from miles.tasks.arithmetic import ArithmeticTask
+from miles.tasks.base import Sample, first_answer
 from miles.tasks.evaluate import evaluate
 from miles.tasks.registry import build_task
 

@@ -61,3 +61,46 @@ def test_wrong_kind_is_rejected() -> None:
     )
     with pytest.raises(SchemaError, match="expected kind 'trajectory'"):
         decode(encode(group), Trajectory)
+
+
+def _comp(weight_version: int, spans: list[list[int]] | None = None, n: int = 5) -> Completion:
+    return Completion(
+        output_ids=list(range(n)),
+        logprobs=[-0.5] * n,
+        reward=0.0,
+        finish_reason="length",
+        weight_version=weight_version,
+        version_spans=spans or [],
+    )
+
+
+def test_version_spans_round_trip_and_drive_the_oldest_version() -> None:
+    switched = _comp(4, [[0, 4], [2, 6], [4, 7]])
+    assert switched.spans == [(0, 4), (2, 6), (4, 7)] and switched.token_versions() == [4, 4, 6, 6, 7]
+    plain = _comp(5)
+    assert plain.spans == [(0, 5)] and plain.oldest_version == 5 and plain.token_versions() == [5] * 5
+    traj = _traj().model_copy(update={"completions": [plain, switched]})
+    assert decode(encode(traj), Trajectory) == traj
+    assert traj.oldest_version == 4
+
+
+def test_completion_without_version_spans_still_decodes() -> None:
+    """SCHEMA_VERSION 1 producers that predate version_spans: one span at weight_version."""
+    body = msgpack.unpackb(encode(_traj()))
+    for comp in body["completions"]:
+        del comp["version_spans"]
+    traj = decode(msgpack.packb(body), Trajectory)
+    assert traj.completions[0].version_spans == [] and traj.completions[0].spans == [(0, 3)]
+    assert traj.oldest_version == 3
+
+
+@pytest.mark.parametrize(
+    "spans",
+    [[[1, 3]], [[0, 2]], [[0, 3], [0, 4]], [[0, 3], [2, 2]], [[0, 3], [5, 4]], [[0, 3, 1]]],
+    ids=["not-at-0", "not-weight-version", "starts-not-increasing", "versions-backwards", "past-end", "not-a-pair"],
+)
+def test_malformed_version_spans_are_rejected(spans: list[list[int]]) -> None:
+    body = msgpack.unpackb(encode(_traj()))
+    body["completions"][0]["version_spans"] = spans
+    with pytest.raises(SchemaError, match="version_spans"):
+        decode(msgpack.packb(body), Trajectory)

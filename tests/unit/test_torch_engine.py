@@ -13,7 +13,7 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 from miles.config import TinyModelConfig, TorchEngineConfig
 from miles.engines.base import SamplingParams
 from miles.engines.registry import build_engine
-from miles.engines.torch_engine import TorchEngine
+from miles.engines.torch_engine import TorchEngine, _forward_kwargs, _new_cache
 from miles.models import tiny
 from miles.models.loading import encode_prompt
 
@@ -249,3 +249,205 @@ def test_tied_weights_may_be_sent_once(tok: PreTrainedTokenizerFast) -> None:
         del state["lm_head.weight"]
     engine.load_weights(state, version=1)
     assert torch.equal(engine.model.lm_head.weight, source.model.embed_tokens.weight)
+
+
+# ---------------------------------------------------------------------------- in-flight weight updates
+
+
+def _state(tok: PreTrainedTokenizerFast, seed: int) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in make_model(tok, seed).state_dict().items()}
+
+
+class PauseAtForward:
+    """Blocks the engine's ``call``-th model forward (0 = prefill) until released, from another thread.
+
+    While forward ``call`` (which computes token ``call``) waits, the test stages weights; the loop
+    takes them at the next token boundary, so tokens ``0..call`` come from the old weights and the
+    switch starts at output index ``call + 1``.
+    """
+
+    def __init__(self, model: torch.nn.Module, call: int) -> None:
+        self.call, self.calls = call, 0
+        self.reached, self.go = threading.Event(), threading.Event()
+        self.handle = model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module: torch.nn.Module, args: object) -> None:
+        if self.calls == self.call:
+            self.reached.set()
+            assert self.go.wait(30), "test never released the forward"
+        self.calls += 1
+
+    def run(self, engine: TorchEngine, prompts: list[list[int]], params: SamplingParams, while_paused) -> list:  # type: ignore[no-untyped-def,type-arg]
+        """``engine.generate`` in a worker thread; ``while_paused()`` runs on this thread mid-generation."""
+        result: list = []  # type: ignore[type-arg]
+        worker = threading.Thread(target=lambda: result.extend(engine.generate(prompts, params)))
+        worker.start()
+        try:
+            assert self.reached.wait(30), "generation never reached the paused forward"
+            while_paused()
+        finally:
+            self.go.set()
+            worker.join(30)
+            self.handle.remove()
+        assert not worker.is_alive()
+        return result
+
+
+def kept_cache_logprobs(
+    old: LlamaForCausalLM, new: LlamaForCausalLM, prompt: list[int], output: list[int], switch: int, temp: float
+) -> list[float]:
+    """Reference for the keep-the-KV-cache policy: ``output[:switch]`` scored by ``old`` (prompt prefill
+    included), the rest by ``new`` attending to the cache ``old`` computed; unpadded, one token per step."""
+    cache_arg, extra = _forward_kwargs(old)
+    fwd = {cache_arg: _new_cache(old), **extra}
+    ids = torch.tensor([prompt])  # (1, P)
+    out = []
+    with torch.no_grad():
+        logits = old(input_ids=ids, position_ids=torch.arange(len(prompt)).unsqueeze(0), **fwd).logits[0, -1]
+        for i, token in enumerate(output):
+            logp = torch.log_softmax(logits.float() / (temp if temp > 0 else 1.0), dim=-1)  # (V,)
+            out.append(float(logp[token]))
+            model = old if i + 1 < switch else new
+            pos = torch.tensor([[len(prompt) + i]])  # (1, 1)
+            logits = model(input_ids=torch.tensor([[token]]), position_ids=pos, **fwd).logits[0, -1]
+    return out
+
+
+def test_weights_staged_mid_generation_switch_at_a_token_boundary(
+    tok: PreTrainedTokenizerFast, prompts: list[list[int]]
+) -> None:
+    engine = TorchEngine(make_model(tok, 0), tok.pad_token_id, seed=3)
+    old, new, new_state = make_model(tok, 0), make_model(tok, 1), _state(tok, 1)
+    k, temp = 3, 0.8
+    params = SamplingParams(max_new_tokens=8, temperature=temp)
+    pause = PauseAtForward(engine.model, call=k)
+    staged: list[bool] = []
+    gens = pause.run(engine, prompts, params, lambda: staged.append(engine.stage_weights(new_state, 1)))
+
+    assert staged == [True] and engine.version == 1 and engine.pending_version is None
+    assert engine.switches == 1 and engine.pauses_s == [engine.last_pause_s] and engine.last_pause_s > 0
+    for name, tensor in engine.model.state_dict().items():
+        assert torch.equal(tensor, new_state[name]), name
+    for prompt, gen in zip(prompts, gens, strict=True):
+        assert len(gen.output_ids) == 8 and gen.finish_reason == "length"
+        assert gen.weight_version == 0 and gen.version_spans == [(0, 0), (k + 1, 1)]
+        # Tokens before the switch: exactly the old weights' distribution (plain teacher forcing).
+        assert gen.logprobs[: k + 1] == pytest.approx(
+            teacher_forced_logprobs(old, prompt, gen.output_ids[: k + 1], temp), abs=1e-4
+        )
+        # After it: the new weights over the kept (old-weights) cache, i.e. the engine's semantics.
+        expected = kept_cache_logprobs(old, new, prompt, gen.output_ids, k + 1, temp)
+        assert gen.logprobs == pytest.approx(expected, abs=1e-4)
+        # ...which really is a different distribution from the old weights'.
+        assert gen.logprobs[k + 1 :] != pytest.approx(
+            teacher_forced_logprobs(old, prompt, gen.output_ids, temp)[k + 1 :], abs=1e-3
+        )
+    # The next generation starts at the new version, one span.
+    assert all(g.version_spans == [(0, 1)] for g in engine.generate(prompts, params))
+
+
+def test_rows_that_ended_before_a_switch_keep_one_span(tok: PreTrainedTokenizerFast, prompts: list[list[int]]) -> None:
+    engine = make_engine(tok, 0)
+    k = 2
+    free = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0))
+    # A stop token some row emits by index k (ends before the switch at k+1) and another row never emits.
+    stop = next(t for g in free for t in g.output_ids[: k + 1] if any(t not in h.output_ids for h in free))
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=[stop])
+    pause = PauseAtForward(engine.model, call=k)
+    gens = pause.run(engine, prompts, params, lambda: engine.stage_weights(_state(tok, 1), 4))
+    assert engine.version == 4
+    for gen in gens:
+        if len(gen.output_ids) <= k + 1:
+            assert gen.version_spans == [(0, 0)]
+        else:
+            assert gen.version_spans == [(0, 0), (k + 1, 4)]
+    assert any(len(g.output_ids) <= k + 1 for g in gens) and any(len(g.output_ids) > k + 1 for g in gens)
+
+
+def test_worker_several_versions_behind_jumps_to_the_newest(
+    tok: PreTrainedTokenizerFast, prompts: list[list[int]]
+) -> None:
+    engine = make_engine(tok, 0)
+    v2, v5 = _state(tok, 2), _state(tok, 5)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+    # Mid-generation: v2 then v5 arrive before the boundary; only v5 is applied, v2 never after it.
+    def stage_all() -> None:
+        assert engine.stage_weights(v2, 2) and engine.stage_weights(v5, 5)
+        assert not engine.stage_weights(v2, 2) and not engine.stage_weights(v2, 4)
+        assert engine.pending_version == 5
+
+    gens = PauseAtForward(engine.model, call=1).run(engine, prompts, params, stage_all)
+    assert all(g.version_spans == [(0, 0), (2, 5)] for g in gens)
+    assert engine.version == 5 and engine.switches == 1 and engine.pending_version is None
+    assert not engine.stage_weights(v2, 2) and not engine.stage_weights(v5, 5)  # older / same: ignored
+    assert not engine.apply_pending() and engine.version == 5
+    assert all(torch.equal(t, v5[n]) for n, t in engine.model.state_dict().items())
+
+    # Idle: the same through apply_pending, and a staged version is also applied by the next generate.
+    idle = make_engine(tok, 0)
+    assert idle.stage_weights(v2, 2) and idle.stage_weights(v5, 5) and not idle.stage_weights(v2, 2)
+    assert idle.version == 0 and idle.pending_version == 5
+    assert idle.apply_pending() and idle.version == 5 and not idle.apply_pending()
+    assert idle.switches == 1 and [g.output_ids for g in idle.generate(prompts, params)] == [
+        g.output_ids for g in TorchEngine(make_model(tok, 5), tok.pad_token_id).generate(prompts, params)
+    ]
+    assert idle.stage_weights(_state(tok, 6), 6)
+    assert all(g.weight_version == 6 and g.version_spans == [(0, 6)] for g in idle.generate(prompts, params))
+    assert idle.version == 6 and idle.switches == 2
+
+    # load_weights stays immediate and drops a staged version it supersedes.
+    assert idle.stage_weights(v2, 7)
+    idle.load_weights(v5, 8)
+    assert idle.pending_version is None and not idle.apply_pending() and idle.version == 8
+
+
+@pytest.mark.parametrize("fault", ["missing", "unexpected", "shape"])
+def test_stage_weights_rejects_bad_payloads_up_front(tok: PreTrainedTokenizerFast, fault: str) -> None:
+    engine = make_engine(tok, 0)
+    state = _state(tok, 1)
+    key = "model.layers.1.self_attn.q_proj.weight"
+    if fault == "missing":
+        del state[key]
+    elif fault == "unexpected":
+        key = "model.layers.9.extra.weight"
+        state[key] = torch.zeros(2)
+    else:
+        state[key] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match=r"stage_weights: .*" + key.replace(".", r"\.")):
+        engine.stage_weights(state, version=9)
+    assert engine.pending_version is None and not engine.apply_pending() and engine.version == 0
+
+
+def test_staging_racing_generation_keeps_spans_consistent(
+    tok: PreTrainedTokenizerFast, prompts: list[list[int]]
+) -> None:
+    """Versions staged from another thread while generations run: spans well formed, never backwards."""
+    engine = make_engine(tok, 0)
+    states = [_state(tok, 1), _state(tok, 2)]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    seen: list[list[tuple[int, int]]] = []
+    done = threading.Event()
+
+    def roll() -> None:
+        while not done.is_set():
+            seen.extend(g.version_spans for g in engine.generate(prompts, params))
+
+    worker = threading.Thread(target=roll)
+    worker.start()
+    try:
+        for v in range(1, 31):
+            engine.stage_weights(states[v % 2], v)
+            time.sleep(0.002)
+    finally:
+        done.set()
+        worker.join()
+    engine.apply_pending()
+    assert engine.version == 30 and seen
+    last = -1
+    for spans in seen:
+        starts, versions = [s for s, _ in spans], [v for _, v in spans]
+        assert starts[0] == 0 and starts == sorted(set(starts)) and versions == sorted(set(versions))
+        assert all(0 < s < 6 for s in starts[1:])
+        assert versions[0] >= last  # a later generation never starts at an older version
+        last = versions[0]

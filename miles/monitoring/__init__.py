@@ -1,0 +1,1 @@
+"""Run monitoring: the snapshot model, its rich view, Prometheus export and end-of-run plots."""

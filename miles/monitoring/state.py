@@ -1,0 +1,253 @@
+"""The monitor's model of a run: a pure state fed by bus messages, read as one plain-data snapshot.
+
+No I/O here, no clock reads: every input carries its time (heartbeat ``ts``, the JetStream
+timestamp of a metrics message, the ``now`` of a snapshot), so the whole model is unit-testable
+with synthetic messages. :meth:`RunState.snapshot` is the ``--json`` document (fields listed in
+:mod:`miles.actors.monitor`) and the single input of the rich view and the Prometheus exporter.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles.bus.schema import EvalResult, Heartbeat, StepMetrics, TrainerDone
+
+SPARK_CHARS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float]) -> str:
+    """Unicode block sparkline of ``values`` scaled to their own min..max."""
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    if hi - lo < 1e-12:
+        return SPARK_CHARS[len(SPARK_CHARS) // 2] * len(values)
+    top = len(SPARK_CHARS) - 1
+    return "".join(SPARK_CHARS[round((v - lo) / (hi - lo) * top)] for v in values)
+
+
+class CounterRate:
+    """Rate of a monotone counter from timestamped samples within a sliding window.
+
+    A counter that goes backwards (the producer restarted) starts a new history.
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.samples: deque[tuple[float, float]] = deque()
+
+    def add(self, t: float, value: float) -> None:
+        if self.samples and (value < self.samples[-1][1] or t < self.samples[-1][0]):
+            self.samples.clear()
+        self.samples.append((t, value))
+        while len(self.samples) > 2 and self.samples[1][0] <= t - self.window_s:
+            self.samples.popleft()
+
+    def rate(self, now: float) -> float:
+        """Increase per second over the window; 0 without two samples or when the last is older than the window."""
+        if len(self.samples) < 2 or now - self.samples[-1][0] > self.window_s:
+            return 0.0
+        (t0, v0), (t1, v1) = self.samples[0], self.samples[-1]
+        return (v1 - v0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+@dataclass
+class WorkerView:
+    heartbeat: Heartbeat
+    tokens: CounterRate
+    groups: CounterRate
+
+
+@dataclass
+class RunState:
+    """Everything the monitor knows about one run, updated message by message."""
+
+    run: str
+    max_staleness: int
+    rate_window_s: float = 30.0
+    reward_points: int = 40
+    stale_after_s: float = 5.0  # an actor silent this long is shown as gone
+    trainer: Heartbeat | None = None
+    controller: Heartbeat | None = None
+    workers: dict[str, WorkerView] = field(default_factory=dict)
+    steps_seen: set[int] = field(default_factory=set)
+    last_step: StepMetrics | None = None
+    last_step_t: float | None = None
+    staleness_hist: dict[int, int] = field(default_factory=dict)
+    rewards: deque[tuple[int, float]] = field(default_factory=deque)
+    evals: dict[int, float] = field(default_factory=dict)
+    done: TrainerDone | None = None
+    prompts_waiting: int | None = None
+    trajectories_waiting: int | None = None
+    dead_lettered: int | None = None
+    trained_groups: CounterRate = field(init=False)
+    trained_tokens: CounterRate = field(init=False)
+    _groups_total: int = 0
+    _tokens_total: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.trained_groups = CounterRate(self.rate_window_s)
+        self.trained_tokens = CounterRate(self.rate_window_s)
+
+    # ------------------------------------------------------------------ inputs
+
+    def on_heartbeat(self, hb: Heartbeat) -> None:
+        if hb.role == "trainer":
+            if self.trainer is None or hb.ts >= self.trainer.ts:
+                self.trainer = hb
+        elif hb.role == "controller":
+            self.controller = hb
+        elif hb.role == "rollout":
+            view = self.workers.get(hb.actor_id)
+            if view is None:
+                view = self.workers[hb.actor_id] = WorkerView(
+                    hb, CounterRate(self.rate_window_s), CounterRate(self.rate_window_s)
+                )
+            view.heartbeat = hb
+            view.tokens.add(hb.ts, hb.stats.get("tokens", 0.0))
+            view.groups.add(hb.ts, hb.stats.get("groups", 0.0))
+
+    def on_step(self, msg: StepMetrics, t: float) -> None:
+        """A step report; ``t`` is when it was published (JetStream timestamp). Re-sent steps count once."""
+        if msg.step in self.steps_seen:
+            return
+        self.steps_seen.add(msg.step)
+        for lag in msg.staleness:
+            self.staleness_hist[lag] = self.staleness_hist.get(lag, 0) + 1
+        if self.last_step is None or msg.step >= self.last_step.step:
+            self.last_step, self.last_step_t = msg, t
+        if "reward_mean" in msg.metrics:
+            self.rewards.append((msg.step, msg.metrics["reward_mean"]))
+            self.rewards = deque(sorted(self.rewards)[-self.reward_points :])
+        if "eval_accuracy" in msg.metrics:
+            self.evals.setdefault(msg.policy_version, msg.metrics["eval_accuracy"])
+        self._groups_total += len(msg.trained_group_ids)
+        self._tokens_total += msg.metrics.get("tokens_per_s", 0.0) * msg.metrics.get("step_s", 0.0)
+        self.trained_groups.add(t, self._groups_total)
+        self.trained_tokens.add(t, self._tokens_total)
+
+    def on_eval(self, msg: EvalResult) -> None:
+        self.evals[msg.policy_version] = msg.accuracy
+
+    def on_done(self, msg: TrainerDone) -> None:
+        self.done = msg
+
+    def absorb(self, message: Any, t: float) -> None:
+        """Route any decoded bus message (others are ignored)."""
+        if isinstance(message, Heartbeat):
+            self.on_heartbeat(message)
+        elif isinstance(message, StepMetrics):
+            self.on_step(message, t)
+        elif isinstance(message, EvalResult):
+            self.on_eval(message)
+        elif isinstance(message, TrainerDone):
+            self.on_done(message)
+
+    def set_queues(self, *, prompts_waiting: int, trajectories_waiting: int, dead_lettered: int) -> None:
+        self.prompts_waiting = prompts_waiting
+        self.trajectories_waiting = trajectories_waiting
+        self.dead_lettered = dead_lettered
+
+    # ------------------------------------------------------------------ outputs
+
+    def trainer_version(self) -> int:
+        candidates = [0]
+        if self.trainer is not None:
+            candidates.append(self.trainer.version)
+        if self.last_step is not None:
+            candidates.append(self.last_step.policy_version)
+        if self.done is not None:
+            candidates.append(self.done.policy_version)
+        # A worker can only hold published weights: its version is a lower bound too (the trainer's own
+        # heartbeat and step report can trail its weight announcement by a moment).
+        candidates.extend(view.heartbeat.version for view in self.workers.values())
+        return max(candidates)
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """Plain-data view of the run at ``now`` (unix s): the ``--json`` document."""
+        v = self.trainer_version()
+        workers: dict[str, Any] = {}
+        for wid, view in sorted(self.workers.items()):
+            hb = view.heartbeat
+            workers[wid] = {
+                "version": hb.version,
+                "lag": v - hb.version if hb.version >= 0 else None,
+                "state": hb.state,
+                "age_s": round(now - hb.ts, 2),
+                "alive": now - hb.ts <= self.stale_after_s,
+                "groups": int(hb.stats.get("groups", 0)),
+                "tokens": int(hb.stats.get("tokens", 0)),
+                "tokens_per_s": round(view.tokens.rate(now), 2),
+                "groups_per_s": round(view.groups.rate(now), 3),
+                "syncs": int(hb.stats.get("syncs", 0)),
+                "checksum_failures": int(hb.stats.get("checksum_failures", 0)),
+                "last_pause_ms": round(hb.stats.get("last_pause_ms", 0.0), 1),
+            }
+        lags = [w["lag"] for w in workers.values() if w["lag"] is not None and w["alive"]]
+        tstats = self.trainer.stats if self.trainer is not None else {}
+        step = self.last_step
+        last_step = None
+        if step is not None:
+            last_step = {
+                "step": step.step,
+                "policy_version": step.policy_version,
+                "age_s": round(now - self.last_step_t, 2) if self.last_step_t is not None else None,
+                "staleness_mean": round(sum(step.staleness) / len(step.staleness), 3) if step.staleness else 0.0,
+                "staleness_max": max(step.staleness, default=0),
+                **{k: round(val, 6) for k, val in step.metrics.items()},
+            }
+        hist_top = max([self.max_staleness, *self.staleness_hist])
+        histogram = {str(k): self.staleness_hist.get(k, 0) for k in range(hist_top + 1)}
+        trained = sum(self.staleness_hist.values())
+        staleness_sum = sum(k * n for k, n in self.staleness_hist.items())
+        rewards = [r for _, r in self.rewards]
+        evals = dict(sorted(self.evals.items()))
+        return {
+            "run": self.run,
+            "time": round(now, 3),
+            "status": "done" if self.done is not None else ("running" if self.trainer or self.workers else "waiting"),
+            "trainer_version": v,
+            "trainer_alive": self.trainer is not None and now - self.trainer.ts <= self.stale_after_s,
+            "max_staleness": self.max_staleness,
+            "steps_seen": len(self.steps_seen),
+            "workers": workers,
+            "worker_lag_max": max(lags, default=None),
+            "staleness_histogram": histogram,
+            "staleness_mean": round(staleness_sum / trained, 4) if trained else None,
+            "staleness_over_bound": sum(n for k, n in self.staleness_hist.items() if k > self.max_staleness),
+            "queues": {
+                "prompts_waiting": self.prompts_waiting,
+                "trajectories_waiting": self.trajectories_waiting,
+            },
+            "rates": {
+                "window_s": self.rate_window_s,
+                "rollout_tokens_per_s": round(sum(view.tokens.rate(now) for view in self.workers.values()), 2),
+                "rollout_groups_per_s": round(sum(view.groups.rate(now) for view in self.workers.values()), 3),
+                "trained_trajectories_per_s": round(self.trained_groups.rate(now), 3),
+                "trained_tokens_per_s": round(self.trained_tokens.rate(now), 2),
+                "step_tokens_per_s": round(step.metrics.get("tokens_per_s", 0.0), 2) if step else None,
+            },
+            "reward": {
+                "last": rewards[-1] if rewards else None,
+                "mean_last_n": round(sum(rewards) / len(rewards), 4) if rewards else None,
+                "trend": [round(r, 4) for r in rewards],
+                "sparkline": sparkline(rewards),
+            },
+            "last_step": last_step,
+            "discards": {
+                "dropped": int(tstats.get("dropped", 0)),
+                "requeued": int(tstats.get("requeued", 0)),
+                "duplicates": int(tstats.get("duplicates", 0)),
+            },
+            "controller": None
+            if self.controller is None
+            else {
+                "issued": int(self.controller.stats.get("issued", 0)),
+                "discarded": int(self.controller.stats.get("discarded", 0)),
+            },
+            "dead_lettered": self.dead_lettered,
+            "evals": {str(k): a for k, a in evals.items()},
+            "eval_accuracy": evals[max(evals)] if evals else None,
+        }
