@@ -18,10 +18,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
 from miles.config import RunConfig, dump_config
+
+if TYPE_CHECKING:
+    from miles.progress import ProgressView
 
 log = structlog.get_logger(__name__)
 
@@ -154,7 +158,7 @@ async def run_local(cfg: RunConfig, run_dir: Path, nats_url: str | None, *, quie
     return status
 
 
-async def _supervise(children: list[Child], view) -> int:  # type: ignore[no-untyped-def]
+async def _supervise(children: list[Child], view: ProgressView) -> int:
     controller = children[0]
     await view.start()
     while True:

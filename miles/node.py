@@ -18,8 +18,14 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from miles.config import ConfigError, RunConfig, add_override_option, load_config
+
+if TYPE_CHECKING:  # keep `miles-node --help` free of torch and nats imports
+    from miles.actors.base import Actor
+    from miles.backends.base import TrainBackend
+    from miles.bus.client import Bus
 
 ROLES = ("controller", "rollout", "trainer", "monitor")
 
@@ -96,7 +102,7 @@ async def _run_actor(cfg: RunConfig, args: argparse.Namespace, actor_id: str, ru
     return 0
 
 
-def _build_actor(cfg: RunConfig, args: argparse.Namespace, bus, run_dir: Path):  # type: ignore[no-untyped-def]
+def _build_actor(cfg: RunConfig, args: argparse.Namespace, bus: Bus, run_dir: Path) -> Actor:
     if args.role == "controller":
         from miles.actors.controller import Controller
 
@@ -124,7 +130,7 @@ def _limit_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def _build_backend(cfg: RunConfig, args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _build_backend(cfg: RunConfig, args: argparse.Namespace) -> TrainBackend:
     """Initialise torch.distributed (when several ranks) and the training backend on this rank."""
     from miles.backends.registry import build_backend
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 from nats.aio.msg import Msg
 
@@ -30,7 +32,7 @@ class RolloutWorker(Actor):
     engine: StagingEngine
     follower: WeightFollower
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.groups_done = 0
         self.tokens_done = 0
@@ -96,7 +98,9 @@ class RolloutWorker(Actor):
             await asyncio.gather(follower_task, return_exceptions=True)
             await sub.unsubscribe()
 
-    async def _process(self, msgs: list[Msg], task: Task, params: SamplingParams, encode) -> None:  # type: ignore[no-untyped-def]
+    async def _process(
+        self, msgs: list[Msg], task: Task, params: SamplingParams, encode: Callable[[str], list[int]]
+    ) -> None:
         groups: list[tuple[Msg, PromptGroup]] = []
         for m in msgs:
             group = await self.bus.decode_or_dead_letter(m, PromptGroup)
@@ -131,7 +135,7 @@ class RolloutWorker(Actor):
                             reward=float(task.reward(text, sample)),
                             finish_reason=gen.finish_reason,
                             weight_version=gen.weight_version,
-                            version_spans=[[start, version] for start, version in gen.version_spans],
+                            version_spans=[[index, version] for index, version in gen.version_spans],
                         )
                     )
                 traj = Trajectory(
