@@ -13,6 +13,7 @@ import asyncio
 import sys
 from pathlib import Path
 
+from miles.bus.errors import BusError
 from miles.config import ConfigError, add_override_option, dump_config, load_config
 
 
@@ -74,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"miles: error: {exc}", file=sys.stderr)
         return 2
+    except BusError as exc:
+        print(f"miles: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 2

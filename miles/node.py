@@ -84,7 +84,13 @@ def main(argv: list[str] | None = None) -> int:
         runner = uvloop.run
     except ImportError:  # pragma: no cover - non-POSIX
         runner = asyncio.run
-    return runner(_run_actor(cfg, args, actor_id, run_dir))
+    from miles.bus.errors import BusError
+
+    try:
+        return runner(_run_actor(cfg, args, actor_id, run_dir))
+    except BusError as exc:
+        print(f"miles-node: error: {exc}", file=sys.stderr)
+        return 1
 
 
 async def _run_actor(cfg: RunConfig, args: argparse.Namespace, actor_id: str, run_dir: Path) -> int:

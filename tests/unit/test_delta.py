@@ -10,7 +10,6 @@ import torch
 
 from miles.sync.delta import (
     DeltaBaseMismatch,
-    DeltaChecksumMismatch,
     DeltaError,
     DeltaFormatError,
     apply_delta,
@@ -103,10 +102,12 @@ def test_special_bit_patterns_are_distinct():
         prev = base.repeat(64)
         new = prev.clone()
         # swap 0.0 <-> -0.0, and NaN to a NaN with another payload / sign
-        nv = new.view(torch.uint8 if new.element_size() == 1 else torch.int16 if new.element_size() == 2 else torch.int32)
+        nv = new.view(
+            torch.uint8 if new.element_size() == 1 else torch.int16 if new.element_size() == 2 else torch.int32
+        )
         nv[0::8], nv[1::8] = nv[1::8].clone(), nv[0::8].clone()
         nv[4::16] ^= 1
-        nv[12::16] ^= nv[12::16] & 0 | (1 << (8 * new.element_size() - 1))
+        nv[12::16] ^= -(1 << (8 * new.element_size() - 1)) if new.element_size() > 1 else 0x80  # flip the sign
         payload = _roundtrip(prev, new)
         assert delta_stats(payload)["changed"] > 0
     # -0.0 vs 0.0 alone is a change
@@ -162,7 +163,12 @@ def _state(seed: int, lr: float = 0.0) -> dict[str, torch.Tensor]:
     w0, w1 = _adam_step(1 << 14, 4e-7, seed)
     w = w1 if lr else w0
     fp4, scales = quantize_fp4(w)
-    return {"a.weight": w.to(torch.bfloat16).view(128, 128), "b.fp8": quantize_fp8(w)[0], "c.fp4": fp4, "c.scale": scales}
+    return {
+        "a.weight": w.to(torch.bfloat16).view(128, 128),
+        "b.fp8": quantize_fp8(w)[0],
+        "c.fp4": fp4,
+        "c.scale": scales,
+    }
 
 
 def test_state_round_trip_and_header():
