@@ -65,6 +65,7 @@ class Controller(Actor):
         self.workers: dict[str, Heartbeat] = {}
         self._wake = asyncio.Event()
         self.record = RunRecord(self.run_dir)
+        self._epoch_order: tuple[int, list[str]] = (-1, [])
 
     def heartbeat(self) -> Heartbeat:
         stats = {
@@ -99,24 +100,28 @@ class Controller(Actor):
 
     # ------------------------------------------------------------------ admission
 
-    def _next_sample(self) -> Sample:
+    def _next_sample(self) -> tuple[Sample, bool]:
+        """The next prompt (re-issues first) and whether it is a re-issue."""
         if self.state.reissue:
-            return self.samples[self.state.reissue.pop(0)]
+            return self.samples[self.state.reissue.pop(0)], True
         epoch, index = divmod(self.state.cursor, len(self.order))
         self.state.cursor += 1
-        order = list(self.order)
-        random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
-        return self.samples[order[index]]
+        if self._epoch_order[0] != epoch:  # one deterministic shuffle per pass over the data
+            order = list(self.order)
+            random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
+            self._epoch_order = (epoch, order)
+        return self.samples[self._epoch_order[1][index]], False
 
     async def _admit(self, done: asyncio.Event) -> None:
         trainer = self.cfg.trainer
         while not done.is_set():
+            self._wake.clear()  # before reading the version: a bump from here on wakes the wait below
             limit = admission_limit(
                 self.trainer_version, self.cfg.staleness.max_staleness, trainer.groups_per_step, trainer.steps
             )
             issued_any = False
             while self.state.issued - self.state.discarded < limit and not done.is_set():
-                sample = self._next_sample()
+                sample, reissue = self._next_sample()
                 group = PromptGroup(
                     group_id=f"g{self.state.issued}",
                     sample_id=sample.id,
@@ -125,6 +130,7 @@ class Controller(Actor):
                     group_size=self.cfg.rollout.group_size,
                     issue_index=self.state.issued,
                     issued_at_version=self.trainer_version,
+                    attempt=int(reissue),
                 )
                 await self.bus.publish(self.bus.subjects.prompts, group)
                 self.record.ledger("issued", group_id=group.group_id, sample_id=sample.id, version=self.trainer_version)
@@ -132,7 +138,6 @@ class Controller(Actor):
                 issued_any = True
             if issued_any:
                 await self.bus.put_str(KEY_CONTROLLER, json.dumps(asdict(self.state)))
-            self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=1.0)
             except asyncio.TimeoutError:

@@ -46,7 +46,7 @@ class PromptGroup(Message):
     group_size: int
     issue_index: int = Field(description="Controller's running count of issued groups, from 0.")
     issued_at_version: int = Field(description="Trainer version when issued; a worker generates with >= this.")
-    attempt: int = 0
+    attempt: int = Field(0, description="0 for a first issue, 1 for a re-issue of a discarded group's prompt.")
 
 
 class Completion(Message):
