@@ -14,6 +14,15 @@ best value coding among new values, XOR and difference, summed) and the delta's 
 it, the size of XOR + zstd-1 of the same tensors (the slime/Miles encoding) and our advantage over
 it, and encode / decode throughput in GB of rollout-precision weights per second on one core
 (``torch.set_num_threads(1)``; digests, index and value coding and zstd included).
+
+``--bus`` measures ``sync.mode: delta`` end to end over a real (embedded) nats-server instead:
+
+    python benchmarks/weight_sync.py --bus --params 1e8 --out benchmarks/results/weight_sync_bus.json
+
+a BF16 state of ``--params`` parameters and its successor after one Adam-like step (2% of patterns
+changed), sent as a full payload (safetensors) and as a delta: trainer-side encode and put, worker-side
+get, decode (deserialise, or apply_state_delta with its digest checks) and the rollout pause
+(``TorchEngine.stage_weights`` + ``apply_pending``: the in-place copy into the float32 model).
 """
 
 from __future__ import annotations
@@ -82,6 +91,104 @@ def bound_bits(prev: torch.Tensor, new: torch.Tensor) -> tuple[float, dict[str, 
     return n * h2(k / n) if n else 0.0, vals
 
 
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+async def bus_bench(params: float, tensor_elems: int, changed: float, reps: int) -> dict:
+    """Full vs delta sync of one BF16 version over an embedded nats-server (see the module docstring)."""
+    import tempfile
+    from pathlib import Path
+
+    from miles.bus.connect import connect
+    from miles.bus.dataplane import WeightStore
+    from miles.bus.server import EmbeddedNats
+    from miles.engines.torch_engine import TorchEngine
+    from miles.sync.delta import apply_state_delta, encode_state_delta
+    from miles.sync.payload import deserialize_state, serialize_state
+
+    ntensors = max(1, round(params / tensor_elems))
+    lr = calibrate("bf16", changed)
+    prev, new = {}, {}
+    for ti in range(ntensors):
+        g = torch.Generator().manual_seed(ti)
+        w = torch.randn(tensor_elems, generator=g) * 0.02
+        u = torch.randn(tensor_elems, generator=g)
+        prev[f"t{ti}"], new[f"t{ti}"] = w.to(torch.bfloat16), (w - lr * u).to(torch.bfloat16)
+
+    class Flat(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for name in prev:
+                self.register_parameter(name, torch.nn.Parameter(torch.zeros(tensor_elems)))
+
+        def forward(self, input_ids: torch.Tensor, **kwargs: object) -> torch.Tensor:  # never called
+            return input_ids
+
+    engine = TorchEngine(Flat(), pad_token_id=0)
+    out: dict = {"params": ntensors * tensor_elems, "tensors": ntensors, "lr": lr}
+    with tempfile.TemporaryDirectory() as tmp:
+        async with EmbeddedNats(Path(tmp) / "bus") as server:
+            nc = await connect(server.url, name="bench")
+            js = nc.jetstream()
+            full = await WeightStore.create(js, "bench", keep_versions=2)
+            delta = await WeightStore.create(js, "bench", keep_versions=2, kind="delta")
+            engine.stage_weights(prev, 1)
+            engine.apply_pending()
+            version = 1
+            for mode in ("full", "delta"):
+                r: dict[str, list[float]] = {}
+                for _ in range(reps):
+                    version += 1
+                    t0 = time.perf_counter()
+                    if mode == "full":
+                        payload = serialize_state(new, version)
+                    else:
+                        payload = encode_state_delta(prev, new, version - 1, version)
+                    t1 = time.perf_counter()
+                    await (full if mode == "full" else delta).put(version, payload)
+                    t2 = time.perf_counter()
+                    got = await (full if mode == "full" else delta).get(version)
+                    t3 = time.perf_counter()
+                    state = deserialize_state(got) if mode == "full" else apply_state_delta(prev, got, version - 1)
+                    t4 = time.perf_counter()
+                    engine.stage_weights(state, version)
+                    assert engine.apply_pending()
+                    t5 = time.perf_counter()
+                    assert all(torch.equal(state[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
+                    for key, dt in (("encode_s", t1 - t0), ("put_s", t2 - t1), ("get_s", t3 - t2)):
+                        r.setdefault(key, []).append(dt)
+                    r.setdefault("decode_s", []).append(t4 - t3)
+                    r.setdefault("stage_apply_s", []).append(t5 - t4)
+                    r.setdefault("engine_pause_s", []).append(engine.last_pause_s)
+                    r["bytes"] = [float(len(payload))]
+                    del payload, got, state
+                    # the next rep republishes the same step (prev -> new) as a newer version
+                out[mode] = {k: _median(v) for k, v in r.items()}
+            await nc.close()
+    return out
+
+
+def bus_main(args: argparse.Namespace) -> None:
+    import asyncio
+
+    torch.set_num_threads(1)
+    res = asyncio.run(bus_bench(args.params, args.tensor_elems, args.changed[0], args.reps))
+    f, d = res["full"], res["delta"]
+    print(f"\n{res['params'] / 1e6:.0f}M BF16 parameters in {res['tensors']} tensors, one Adam-like step")
+    print(f"{'':6} {'bytes':>12} {'encode s':>9} {'put s':>7} {'get s':>7} {'decode s':>9} {'pause s':>8}")
+    for name, x in (("full", f), ("delta", d)):
+        print(
+            f"{name:6} {x['bytes']:12.0f} {x['encode_s']:9.3f} {x['put_s']:7.3f} {x['get_s']:7.3f} "
+            f"{x['decode_s']:9.3f} {x['engine_pause_s']:8.4f}"
+        )
+    print(f"delta / full bytes: {d['bytes'] / f['bytes']:.4f}")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as fh:
+            json.dump({"meta": {"loadavg": os.getloadavg(), "reps": args.reps}, "results": res}, fh, indent=2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=1e9)
@@ -89,7 +196,12 @@ def main() -> None:
     ap.add_argument("--changed", type=float, nargs=3, default=[0.02, 0.01, 0.005], metavar=("BF16", "FP8", "FP4"))
     ap.add_argument("--level", type=int, default=1, help="zstd level of the delta streams")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--bus", action="store_true", help="full vs delta sync over an embedded nats-server")
+    ap.add_argument("--reps", type=int, default=3, help="--bus: repetitions per mode (medians reported)")
     args = ap.parse_args()
+    if args.bus:
+        bus_main(args)
+        return
     torch.set_num_threads(1)
     lrs = {k: calibrate(k, t) for k, t in zip(KINDS, args.changed)}
     print("lr per precision:", {k: f"{v:.3g}" for k, v in lrs.items()}, flush=True)

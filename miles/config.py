@@ -248,9 +248,19 @@ class StalenessConfig(Strict):
 
 
 class SyncConfig(Strict):
-    mode: Literal["full"] = Field("full", description="Weight-sync mode.")
+    mode: Literal["full", "delta"] = Field(
+        "full",
+        description="Weight-sync mode: 'full' publishes every version whole; 'delta' publishes a sparse delta "
+        "against the previous version, with a full anchor every anchor_every versions (docs/weight-sync.md).",
+    )
     dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="Rollout precision of published weights.")
-    keep_versions: int = Field(3, ge=1, description="Weight payloads kept in the data plane.")
+    keep_versions: int = Field(
+        3,
+        ge=1,
+        description="Full payloads kept in the data plane (in delta mode: full anchors; the delta key space keeps "
+        "anchor_every + keep_versions deltas, so every delta since the newest anchor stays fetchable).",
+    )
+    anchor_every: int = Field(10, ge=1, description="Delta mode: publish a full anchor every this many versions.")
 
 
 class BusConfig(Strict):

@@ -23,6 +23,7 @@ from miles.bus.dataplane import WeightStore
 from miles.bus.schema import Completion, Heartbeat, PromptGroup, Trajectory
 from miles.engines.base import SamplingParams, StagingEngine
 from miles.sync.follower import WeightFollower
+from miles.sync.publisher import delta_keep_versions
 from miles.tasks.base import Sample, Task
 
 
@@ -52,6 +53,10 @@ class RolloutWorker(Actor):
                 "checksum_failures": float(self.follower.checksum_failures),
                 "last_pause_ms": self.follower.last_pause_s * 1e3,
                 "last_fetch_ms": self.follower.last_fetch_s * 1e3,
+                "delta_fallbacks": float(self.follower.delta_fallbacks),
+                "last_fetch_bytes": float(self.follower.last_fetch_bytes),
+                "fetched_bytes": float(self.follower.fetched_bytes),
+                "fetches": float(self.follower.fetches),
             }
         return Heartbeat(role=self.role, actor_id=self.actor_id, version=version, stats=stats)
 
@@ -71,7 +76,16 @@ class RolloutWorker(Actor):
             replicas=self.cfg.bus.replicas,
             keep_versions=self.cfg.sync.keep_versions,
         )
-        self.follower = WeightFollower(self.bus, store, self.engine)
+        delta_store = None
+        if self.cfg.sync.mode == "delta":
+            delta_store = await WeightStore.create(
+                self.bus.js,
+                self.bus.subjects.run,
+                replicas=self.cfg.bus.replicas,
+                keep_versions=delta_keep_versions(self.cfg.sync.keep_versions, self.cfg.sync.anchor_every),
+                kind="delta",
+            )
+        self.follower = WeightFollower(self.bus, store, self.engine, delta_store=delta_store)
         sampling = self.cfg.rollout.sampling
         params = SamplingParams(
             max_new_tokens=sampling.max_new_tokens,

@@ -35,7 +35,7 @@ from miles.bus.schema import (
     decode,
     encode,
 )
-from miles.sync.publisher import publish_weights
+from miles.sync.publisher import WeightPublisher, delta_keep_versions
 
 
 class TrainerLeader(Actor):
@@ -72,11 +72,29 @@ class TrainerLeader(Actor):
         self.store = await WeightStore.create(
             self.bus.js, self.bus.subjects.run, replicas=cfg.bus.replicas, keep_versions=cfg.sync.keep_versions
         )
+        delta_store = None
+        if cfg.sync.mode == "delta":
+            delta_store = await WeightStore.create(
+                self.bus.js,
+                self.bus.subjects.run,
+                replicas=cfg.bus.replicas,
+                keep_versions=delta_keep_versions(cfg.sync.keep_versions, cfg.sync.anchor_every),
+                kind="delta",
+            )
+        # Keeps the last published state in memory (delta mode): after a restart the first publish is a full anchor.
+        self.publisher = WeightPublisher(
+            self.bus,
+            self.store,
+            cfg.sync.dtype,
+            mode=cfg.sync.mode,
+            delta_store=delta_store,
+            anchor_every=cfg.sync.anchor_every,
+        )
         self.evaluator = await self.ranks.run(Evaluator.create, cfg)
         fresh = await self._restore()
         weights = await self._export()
         if await self.bus.get_int(KEY_TRAINER_VERSION, -1) < self.version:
-            await publish_weights(self.bus, self.store, weights, self.version, cfg.sync.dtype)
+            await self.publisher.publish(weights, self.version)
         if self._resent_step is not None:  # the crash may have come before the step's report went out
             await self._publish_step(decode(self._resent_step, StepMetrics))
         if fresh:
@@ -239,7 +257,7 @@ class TrainerLeader(Actor):
         }
         self.checkpoint_path.parent.mkdir(parents=True, exist_ok=True)
         await self.ranks.call("save_checkpoint", str(self.checkpoint_path), extra)
-        await publish_weights(self.bus, self.store, weights, self.version, self.cfg.sync.dtype)
+        await self.publisher.publish(weights, self.version)
         await self._publish_step(step_metrics)
         for m in msgs:
             await m.ack_sync()

@@ -22,6 +22,11 @@ Why this shape:
   nats-py's object store, the obvious alternative, moved 64 MB in about 10 s here.
 * Old versions are purged by subject after each put, keeping the newest ``keep_versions``; a reader
   still fetching a purged version gets :class:`PayloadMissing` and moves on to a newer one.
+
+``kind="delta"`` is a second, independent key space of the same shape for ``sync.mode: delta``
+(stream ``<run>_WEIGHTS_DELTA``, subjects ``<run>.wdelta.<version>.chunk|meta``): the delta that turns
+the previous version into ``<version>``. The default ``kind="full"`` key space above then holds the
+full anchors only. See docs/weight-sync.md.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ CHUNK_HEADROOM = 4096
 DEFAULT_WINDOW_BYTES = 32 * MiB
 FetchMode = Literal["auto", "raw", "client"]
 Storage = Literal["file", "memory"]
+Kind = Literal["full", "delta"]
 
 __all__ = ["ChecksumMismatch", "PayloadInfo", "PayloadMissing", "WeightStore"]
 
@@ -179,6 +185,7 @@ class WeightStore:
         fetch: FetchMode = "auto",
         window_bytes: int = DEFAULT_WINDOW_BYTES,
         timeout_s: float = 60.0,
+        kind: Kind = "full",
     ) -> None:
         if keep_versions < 1:
             raise ValueError("keep_versions must be >= 1")
@@ -191,7 +198,9 @@ class WeightStore:
         self.fetch = fetch
         self.window_bytes = window_bytes
         self.timeout_s = timeout_s
-        self.stream = f"{run}_WEIGHTS"
+        self.kind: Kind = kind
+        self.stream = f"{run}_WEIGHTS" if kind == "full" else f"{run}_WEIGHTS_DELTA"
+        self.prefix = f"{run}.weights" if kind == "full" else f"{run}.wdelta"
         self._nc = js._nc  # the connection the context was made from (nats-py keeps no public accessor)
         self._api_prefix: str = getattr(js, "_prefix", "$JS.API")
 
@@ -210,6 +219,7 @@ class WeightStore:
         window_bytes: int = DEFAULT_WINDOW_BYTES,
         timeout_s: float = 60.0,
         storage: Storage = "file",
+        kind: Kind = "full",
     ) -> WeightStore:
         """Ensure the run's weight stream exists (idempotent; any actor may call it first).
 
@@ -220,6 +230,7 @@ class WeightStore:
         ``storage="memory"`` keeps the payloads in the server's RAM (``keep_versions`` x payload size):
         gets were about 1.5x faster than from file storage on the dev machine, at the cost of that RAM
         and of losing the payloads when the server restarts (the trainer republishes on its next step).
+        ``kind="delta"`` opens the delta key space instead (see the module docstring).
         """
         max_payload = js._nc.max_payload
         fits = max(1, max_payload - CHUNK_HEADROOM)
@@ -237,14 +248,29 @@ class WeightStore:
             fetch=fetch,
             window_bytes=window_bytes,
             timeout_s=timeout_s,
+            kind=kind,
         )
         await store._ensure_stream(replicas, storage)
         return store
 
+    def sibling(self, kind: Kind, keep_versions: int | None = None) -> WeightStore:
+        """A store on the same connection and run for the other key space, without creating its stream
+        (a reader only: a version that is not stored, or a stream that does not exist, is :class:`PayloadMissing`)."""
+        return WeightStore(
+            self.js,
+            self.run,
+            chunk_bytes=self.chunk_bytes,
+            keep_versions=self.keep_versions if keep_versions is None else keep_versions,
+            fetch=self.fetch,
+            window_bytes=self.window_bytes,
+            timeout_s=self.timeout_s,
+            kind=kind,
+        )
+
     def stream_config(self, replicas: int, storage: Storage = "file") -> StreamConfig:
         return StreamConfig(
             name=self.stream,
-            subjects=[f"{self.run}.weights.>"],
+            subjects=[f"{self.prefix}.>"],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.MEMORY if storage == "memory" else StorageType.FILE,
             num_replicas=replicas,
@@ -274,13 +300,13 @@ class WeightStore:
     # ------------------------------------------------------------------ subjects
 
     def chunk_subject(self, version: int) -> str:
-        return f"{self.run}.weights.{version}.chunk"
+        return f"{self.prefix}.{version}.chunk"
 
     def meta_subject(self, version: int) -> str:
-        return f"{self.run}.weights.{version}.meta"
+        return f"{self.prefix}.{version}.meta"
 
     def _version_filter(self, version: int) -> str:
-        return f"{self.run}.weights.{version}.>"
+        return f"{self.prefix}.{version}.>"
 
     # ------------------------------------------------------------------ write
 
@@ -334,7 +360,7 @@ class WeightStore:
         except TimeoutError:
             raise BusError(f"weight chunk not acknowledged within {self.timeout_s:.0f}s") from None
         except NoRespondersError:
-            raise BusError(f"no JetStream stream stores {self.run}.weights.> (was {self.stream} deleted?)") from None
+            raise BusError(f"no JetStream stream stores {self.prefix}.> (was {self.stream} deleted?)") from None
         return int(ack.seq)
 
     # ------------------------------------------------------------------ read
@@ -474,7 +500,7 @@ class WeightStore:
 
     async def _subjects(self) -> dict[str, int]:
         try:
-            info = await self.js.stream_info(self.stream, subjects_filter=f"{self.run}.weights.>")
+            info = await self.js.stream_info(self.stream, subjects_filter=f"{self.prefix}.>")
         except NotFoundError:
             return {}
         return dict(info.state.subjects or {})

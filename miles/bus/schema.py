@@ -131,10 +131,28 @@ class WeightsAnnounced(Message):
     digest: str = Field(description="xxh3-128 hex of the payload bytes; verified before apply.")
     size: int
     chunks: int
-    mode: Literal["full"] = "full"
-    format: Literal["safetensors"] = "safetensors"
+    mode: Literal["full", "delta"] = Field(
+        "full", description="full: the whole weight set; delta: changes against base_version (docs/weight-sync.md)."
+    )
+    base_version: int | None = Field(
+        None, description="Delta mode: the version the delta applies to (None for a full payload)."
+    )
+    format: Literal["safetensors", "miles-delta"] = Field(
+        "safetensors", description="safetensors for full payloads, miles-delta (miles/sync/delta.py) for deltas."
+    )
     dtype: str = "bfloat16"
     published_at: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _check_mode(self) -> WeightsAnnounced:
+        if self.mode == "delta":
+            if self.base_version is None or self.base_version >= self.version:
+                raise ValueError("a delta announcement needs base_version < version")
+            if self.format != "miles-delta":
+                raise ValueError("a delta announcement has format 'miles-delta'")
+        elif self.base_version is not None or self.format != "safetensors":
+            raise ValueError("a full announcement has no base_version and format 'safetensors'")
+        return self
 
 
 class Heartbeat(Message):

@@ -10,6 +10,17 @@ newer one was announced meanwhile), so a chunk damaged in transit costs a retry,
 A worker several versions behind jumps straight to the newest version (the engine's slot never
 goes backwards either). A verified payload that does not fit the model (wrong keys or shapes) is
 a deployment error: it is raised from :meth:`wait_for` / :meth:`apply_staged`, failing the worker.
+
+Delta mode (docs/weight-sync.md). The follower keeps the rollout-precision state it last staged (CPU,
+the exact bits of the payload: the engine may compute in float32, the base is the bf16 state, not
+the model). On a ``mode: delta`` announcement whose ``base_version`` is that state's version it
+fetches only the delta and reconstructs the new state off the generation path
+(:func:`~miles.sync.delta.apply_state_delta` checks every tensor's base and result digests); the
+pause is still only the engine's in-place copy. Otherwise (another version held, delta purged or
+damaged, any :class:`~miles.sync.delta.DeltaError`) it counts a ``delta_fallback`` and catches up:
+from the kept state if it is at least the newest full anchor, else from that anchor, applying the
+stored deltas after it in order, as far as they verify. A wrong tensor is never staged; a broken
+chain leaves the worker at the newest version it could verify until the next anchor.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from miles.bus.dataplane import WeightStore
 from miles.bus.errors import BusError, ChecksumMismatch, PayloadMissing
 from miles.bus.schema import WeightsAnnounced
 from miles.engines.base import StagingEngine
+from miles.sync.delta import DeltaError, apply_state_delta
 from miles.sync.payload import deserialize_state
 
 log = structlog.get_logger(__name__)
@@ -34,10 +46,21 @@ log = structlog.get_logger(__name__)
 class WeightFollower:
     """Tracks the newest announced version and stages verified weights in the engine."""
 
-    def __init__(self, bus: Bus, store: WeightStore, engine: StagingEngine) -> None:
+    def __init__(
+        self, bus: Bus, store: WeightStore, engine: StagingEngine, *, delta_store: WeightStore | None = None
+    ) -> None:
         self.bus = bus
         self.store = store
         self.engine = engine
+        # Delta key space: given in delta mode; a reader is made on the first delta announcement otherwise.
+        self.delta_store = delta_store
+        self._keep_base = delta_store is not None
+        self._base: tuple[int, dict[str, torch.Tensor]] | None = None  # last staged version and its exact bits
+        self.delta_fallbacks = 0
+        self.last_fetch_bytes = 0  # bytes downloaded for the latest staged version
+        self.fetched_bytes = 0  # all bytes downloaded
+        self.fetches = 0  # versions staged from a fetch
+        self._bytes = 0  # bytes downloaded by the fetch in progress
         self.latest: WeightsAnnounced | None = None
         self._changed = asyncio.Condition()
         self._error: ValueError | None = None
@@ -82,31 +105,143 @@ class WeightFollower:
 
     async def _fetch_newest(self) -> None:
         """Fetch until the staged version is the newest announced one (skipping intermediate ones)."""
-        while self.latest is not None and self.latest.version > self.held_version:
+        while self._wants_fetch():
             ann = self.latest
+            assert ann is not None
             start = time.perf_counter()
-            state = await self._fetch_verified(ann)
-            if state is None:
+            self._bytes = 0
+            if ann.mode == "delta":
+                got = await self._fetch_delta(ann)
+            else:
+                full = await self._fetch_verified(ann)
+                got = None if full is None else (full, ann.version)
+            if got is not None and got[1] == self.held_version and self._keep_base:
+                if self._base is None or self._base[0] < got[1]:
+                    self._base = (got[1], got[0])  # the exact bits of the version held: deltas can follow
+                    self.last_fetch_bytes = self._bytes
+                    continue
+            if got is None or got[1] <= self.held_version:
                 # Never apply a bad payload; try again shortly (or a newer version, if one was announced).
                 await asyncio.sleep(self.retry_s)
                 continue
+            state, version = got
             self.last_fetch_s = time.perf_counter() - start
+            self.last_fetch_bytes = self._bytes
+            self.fetches += 1
             try:
-                self.engine.stage_weights(state, ann.version)  # validates; ignored if not newer
+                staged = self.engine.stage_weights(state, version)  # validates; ignored if not newer
             except ValueError as exc:
-                log.error("weights_rejected", version=ann.version, error=str(exc))
+                log.error("weights_rejected", version=version, error=str(exc))
                 self._error = exc
+            else:
+                if staged and self._keep_base:
+                    self._base = (version, state)
             async with self._changed:
                 self._changed.notify_all()
             if self._error is not None:
                 return
+            if version < ann.version:  # caught up part of the way only (a broken delta chain)
+                await asyncio.sleep(self.retry_s)
 
-    async def _fetch_verified(self, ann: WeightsAnnounced) -> dict[str, torch.Tensor] | None:
-        """The payload of ``ann``, digest-verified and deserialised; None if it cannot be had intact."""
+    def _wants_fetch(self) -> bool:
+        ann = self.latest
+        if ann is None:
+            return False
+        if ann.version > self.held_version:
+            return True
+        # Delta mode: the engine already runs this version (e.g. its initial checkpoint, version 0) but the
+        # follower lacks its exact payload bits, the base of the next delta: fetch the full payload once.
+        held = self.held_version
+        return (
+            self._keep_base
+            and ann.mode == "full"
+            and ann.version == held
+            and (self._base is None or self._base[0] < held)
+        )
+
+    def _delta_reader(self) -> WeightStore:
+        if self.delta_store is None:
+            self.delta_store = self.store.sibling("delta")
+        self._keep_base = True
+        return self.delta_store
+
+    async def _get(self, store: WeightStore, version: int, expected_digest: str | None = None) -> memoryview:
+        payload = await store.get(version, expected_digest=expected_digest)
+        self._bytes += payload.nbytes
+        self.fetched_bytes += payload.nbytes
+        return payload
+
+    async def _fetch_delta(self, ann: WeightsAnnounced) -> tuple[dict[str, torch.Tensor], int] | None:
+        """The state of ``ann.version`` from its delta if the base is held, else by catching up; the
+        result may be an older version (as far as a verified chain reaches) or None."""
+        delta_store = self._delta_reader()
+        base = self._base
+        if base is None or base[0] != ann.base_version:
+            reason = f"base {ann.base_version} not held (holding {None if base is None else base[0]})"
+        else:
+            try:
+                payload = await self._get(delta_store, ann.version, ann.digest)
+                return await asyncio.to_thread(apply_state_delta, base[1], payload, base[0]), ann.version
+            except ChecksumMismatch as exc:
+                self.checksum_failures += 1
+                reason = f"checksum: {exc}"
+            except (DeltaError, BusError) as exc:  # PayloadMissing is a BusError
+                reason = f"{type(exc).__name__}: {exc}"
+        self.delta_fallbacks += 1
+        log.warning("weights_delta_fallback", version=ann.version, base=ann.base_version, reason=reason)
+        return await self._catch_up(ann)
+
+    async def _catch_up(self, ann: WeightsAnnounced) -> tuple[dict[str, torch.Tensor], int] | None:
+        """Newest full anchor <= ``ann.version`` (or the kept state, if not older) + the deltas after it."""
+        assert self.delta_store is not None
+        try:
+            anchors = [v for v in await self.store.versions() if v <= ann.version]
+            deltas = await self.delta_store.versions()
+        except BusError as exc:
+            log.warning("weights_catch_up_failed", version=ann.version, error=str(exc))
+            return None
+        starts: list[int | None] = []  # None: the kept state
+        if self._base is not None and (not anchors or self._base[0] >= anchors[-1]):
+            starts.append(None)
+        if anchors and (self._base is None or self._base[0] < anchors[-1]):
+            starts.append(anchors[-1])
+        for start in starts:
+            if start is None:
+                assert self._base is not None
+                cur_v, cur = self._base
+            else:
+                cur = await self._fetch_verified(
+                    WeightsAnnounced(version=start, digest="", size=0, chunks=0), check_digest=False
+                )
+                if cur is None:
+                    continue
+                cur_v = start
+            for v in sorted(d for d in deltas if cur_v < d <= ann.version):
+                try:
+                    payload = await self._get(self.delta_store, v, ann.digest if v == ann.version else None)
+                    cur = await asyncio.to_thread(apply_state_delta, cur, payload, cur_v)
+                    cur_v = v
+                except (DeltaError, BusError) as exc:
+                    if isinstance(exc, ChecksumMismatch):
+                        self.checksum_failures += 1
+                    log.warning(
+                        "weights_delta_chain_broken", version=v, base=cur_v, error=f"{type(exc).__name__}: {exc}"
+                    )
+                    break
+            if cur_v >= self.held_version and (self._base is None or cur_v > self._base[0]):
+                log.info("weights_caught_up", version=cur_v, target=ann.version, start=start, bytes=self._bytes)
+                return cur, cur_v
+        return None
+
+    async def _fetch_verified(
+        self, ann: WeightsAnnounced, *, check_digest: bool = True
+    ) -> dict[str, torch.Tensor] | None:
+        """The payload of ``ann``, digest-verified and deserialised; None if it cannot be had intact.
+        ``check_digest=False``: verified against the stored manifest's digest only (an anchor found by listing)."""
         checksum_attempts, transport_attempts = 0, 0
         while checksum_attempts < 2 and transport_attempts < 5:
             try:
-                payload = await self.store.get(ann.version, expected_digest=ann.digest)
+                payload = await self._get(self.store, ann.version, ann.digest if check_digest else None)
             except ChecksumMismatch as exc:
                 checksum_attempts += 1
                 self.checksum_failures += 1

@@ -1,8 +1,19 @@
-"""Trainer side of weight sync: put the payload in the data plane, then announce it."""
+"""Trainer side of weight sync: put the payload in the data plane, then announce it.
+
+:func:`publish_weights` is ``sync.mode: full``: every version whole. :class:`WeightPublisher` adds
+``sync.mode: delta`` (docs/weight-sync.md): it keeps the previously published rollout-precision state
+in memory (rank 0, CPU) and publishes the sparse delta against it (:func:`miles.sync.delta.encode_state_delta`)
+in the delta key space (``WeightStore(kind="delta")``), except for a *full anchor* in the full key
+space at version 0, every ``anchor_every`` versions, after a restart (nothing in memory), for a
+version not newer than the previous one, and whenever the encoder refuses (``ValueError``: the tensor
+set, a dtype or a size changed). Every delta since the newest anchor stays stored, so a worker that
+does not hold the base catches up with the newest anchor plus the deltas after it.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Literal
 
 import structlog
 import torch
@@ -10,6 +21,7 @@ import torch
 from miles.bus.client import KEY_TRAINER_VERSION, Bus
 from miles.bus.dataplane import WeightStore
 from miles.bus.schema import WeightsAnnounced
+from miles.sync.delta import encode_state_delta
 from miles.sync.payload import serialize_state
 
 log = structlog.get_logger(__name__)
@@ -32,3 +44,97 @@ async def publish_weights(
     await bus.put_int(KEY_TRAINER_VERSION, version)
     log.info("weights_published", version=version, bytes=info.size, chunks=info.chunks)
     return announcement
+
+
+def delta_keep_versions(keep_versions: int, anchor_every: int) -> int:
+    """Deltas kept in the delta key space: all since the newest anchor, plus slack for readers in flight."""
+    return anchor_every + keep_versions
+
+
+class WeightPublisher:
+    """Publishes successive versions in ``full`` or ``delta`` mode (one instance per trainer leader)."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        store: WeightStore,
+        dtype: str,
+        *,
+        mode: Literal["full", "delta"] = "full",
+        delta_store: WeightStore | None = None,
+        anchor_every: int = 10,
+        level: int = 1,
+    ) -> None:
+        if mode == "delta" and delta_store is None:
+            raise ValueError("delta mode needs a delta store (WeightStore kind='delta')")
+        if anchor_every < 1:
+            raise ValueError("anchor_every must be >= 1")
+        self.bus = bus
+        self.store = store
+        self.delta_store = delta_store
+        self.dtype = dtype
+        self.mode = mode
+        self.anchor_every = anchor_every
+        self.level = level
+        self._prev: tuple[int, dict[str, torch.Tensor]] | None = None  # last published version, its state
+        self._anchor: int | None = None  # newest full anchor published by this process
+        self.anchors = 0
+        self.deltas = 0
+        self.last_bytes = 0
+
+    def _wants_anchor(self, version: int) -> str | None:
+        """Why ``version`` must be a full anchor (None: a delta will do)."""
+        if self._prev is None:
+            return "no_previous_state"  # first publish of this process: version 0 or a restart
+        if version == 0:
+            return "version_0"
+        if version <= self._prev[0]:
+            return "not_newer"
+        if self._anchor is None or version - self._anchor >= self.anchor_every:
+            return "anchor_every"
+        return None
+
+    async def publish(self, state: dict[str, torch.Tensor], version: int) -> WeightsAnnounced:
+        """Publish ``version`` (full, a delta, or a full anchor) and announce it."""
+        if self.mode == "full":
+            ann = await publish_weights(self.bus, self.store, state, version, self.dtype)
+            self.last_bytes = ann.size
+            return ann
+        state = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
+        reason = self._wants_anchor(version)
+        payload: bytes | None = None
+        if reason is None:
+            assert self._prev is not None
+            base_version, base = self._prev
+            try:
+                payload = await asyncio.to_thread(
+                    encode_state_delta, base, state, base_version, version, level=self.level
+                )
+            except ValueError as exc:  # tensor set, dtype or size changed: only a full payload will do
+                reason = "encoder_refused"
+                log.warning("weights_delta_refused", version=version, error=str(exc))
+        if payload is None:
+            ann = await publish_weights(self.bus, self.store, state, version, self.dtype)
+            self._anchor = version
+            self.anchors += 1
+            log.info("weights_anchor_published", version=version, reason=reason, bytes=ann.size)
+        else:
+            assert self.delta_store is not None and self._prev is not None
+            info = await self.delta_store.put(version, payload)
+            ann = WeightsAnnounced(
+                version=version,
+                digest=info.digest,
+                size=info.size,
+                chunks=info.chunks,
+                mode="delta",
+                base_version=self._prev[0],
+                format="miles-delta",
+                dtype=self.dtype,
+            )
+            await self.bus.publish(self.bus.subjects.weights, ann)
+            await self.bus.put_int(KEY_TRAINER_VERSION, version)
+            self.deltas += 1
+            log.info("weights_delta_published", version=version, base=self._prev[0], bytes=info.size)
+        self._prev = (version, state)
+        self.last_bytes = ann.size
+        return ann

@@ -78,7 +78,7 @@ async def _redeliveries(url: str, run: str) -> int:
 
 
 async def _freeze_holding_prompts(url: str, run: str, worker: subprocess.Popen, timeout_s: float) -> None:
-    """SIGSTOP ``worker`` (the only one running) at a moment it holds unacked prompts."""
+    """SIGSTOP ``worker`` (the only one consuming prompts) at a moment it holds unacked prompts."""
     nc = await connect(url, name="probe")
     js = nc.jetstream()
     try:
@@ -97,18 +97,18 @@ async def _freeze_holding_prompts(url: str, run: str, worker: subprocess.Popen, 
 def test_rollout_worker_sigkill_loses_nothing(tmp_path: Path, server: EmbeddedNats, model_cache: Path) -> None:
     cluster = _cluster(tmp_path, server, model_cache, "killw", **{"trainer.steps": 40})
     try:
-        cluster.start_all(rollouts=2, ranks=1)
+        # Worker 0 runs alone, so every unacked prompt is in its hands when it is frozen and SIGKILLed.
+        cluster.start("controller", "controller")
+        cluster.start("rollout-0", "rollout")
+        cluster.start_trainer(ranks=1)
         cluster.wait_for(lambda: cluster.steps_recorded() >= 1, 240, "the first step")
-        # With worker 1 paused, catch worker 0 holding unacked prompts and SIGKILL it there.
-        cluster.procs["rollout-1"].send_signal(signal.SIGSTOP)
         asyncio.run(_freeze_holding_prompts(server.url, "killw", cluster.procs["rollout-0"], 120))
         cluster.kill("rollout-0")
-        cluster.procs["rollout-1"].send_signal(signal.SIGCONT)
+        cluster.start("rollout-1", "rollout")  # gets the dead worker's prompts once ack_wait expires
         cluster.wait_for(lambda: (cluster.run_dir / "summary.json").exists(), 300, "the end of the run")
         redelivered = asyncio.run(_redeliveries(server.url, "killw"))
         cluster.wait_all_exit(60)
     finally:
-        cluster.procs["rollout-1"].send_signal(signal.SIGCONT)
         cluster.stop()
     assert redelivered >= 1, "the killed worker's prompts were never redelivered"
     summary = cluster.summary()
