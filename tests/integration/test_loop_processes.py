@@ -31,6 +31,16 @@ def _cluster(tmp_path: Path, server: EmbeddedNats, model_cache: Path, name: str,
     return Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=server.url)
 
 
+async def _stream_size(url: str, stream: str) -> int:
+    nc = await connect(url, name="probe")
+    try:
+        return int((await nc.jetstream().stream_info(stream)).state.messages)
+    except Exception:  # not created yet
+        return 0
+    finally:
+        await nc.close()
+
+
 async def _publish_garbage(url: str, run: str) -> int:
     """Garbage bytes and well-formed messages of a wrong schema/kind on the trajectory subject."""
     nc = await connect(url, name="garbage")
@@ -51,9 +61,14 @@ async def _publish_garbage(url: str, run: str) -> int:
 def test_split_processes_two_ranks_with_garbage(tmp_path: Path, server: EmbeddedNats, model_cache: Path) -> None:
     cluster = _cluster(tmp_path, server, model_cache, "split")
     try:
-        cluster.start_all(rollouts=2, ranks=2)
-        cluster.wait_for(lambda: cluster.steps_recorded() >= 1, 240, "the first step")
+        cluster.start("controller", "controller")
+        cluster.start("rollout-0", "rollout")
+        cluster.start("rollout-1", "rollout")
+        # Garbage goes in while the run is under way (workers producing), ahead of trajectories the
+        # trainer has yet to consume, so every piece is met before the last step.
+        cluster.wait_for(lambda: asyncio.run(_stream_size(server.url, "split_TRAJ")) >= 1, 240, "a trajectory")
         injected = asyncio.run(_publish_garbage(server.url, cluster.cfg.name))
+        cluster.start_trainer(ranks=2)
         cluster.wait_for(lambda: (cluster.run_dir / "summary.json").exists(), 300, "the end of the run")
         cluster.wait_all_exit(60)
     finally:
@@ -119,11 +134,14 @@ def test_rollout_worker_sigkill_loses_nothing(tmp_path: Path, server: EmbeddedNa
 
 
 def test_trainer_sigkill_and_restart_resumes(tmp_path: Path, server: EmbeddedNats, model_cache: Path) -> None:
-    cluster = _cluster(tmp_path, server, model_cache, "killt", **{"trainer.steps": 8})
+    steps = 40
+    cluster = _cluster(tmp_path, server, model_cache, "killt", **{"trainer.steps": steps})
     try:
         cluster.start_all(rollouts=2, ranks=1)
         cluster.wait_for(lambda: cluster.steps_recorded() >= 3, 240, "three steps")
         cluster.kill("trainer-0")
+        killed_at = cluster.steps_recorded()
+        assert killed_at < steps, "the run ended before the trainer could be killed mid-run"
         cluster.start_trainer(ranks=1, suffix="b")
         cluster.wait_for(lambda: (cluster.run_dir / "summary.json").exists(), 300, "the end of the run")
         cluster.wait_all_exit(60)
@@ -131,6 +149,6 @@ def test_trainer_sigkill_and_restart_resumes(tmp_path: Path, server: EmbeddedNat
         cluster.stop()
     assert "trainer_resumed" in cluster.log("trainerb-0")
     summary = cluster.summary()
-    assert summary["steps"] == 8
+    assert summary["steps"] == steps
     events = check_accounting(cluster)  # no group trained twice, none lost
-    assert len(events["trained"]) == 8 * cluster.cfg.trainer.groups_per_step
+    assert len(events["trained"]) == steps * cluster.cfg.trainer.groups_per_step
