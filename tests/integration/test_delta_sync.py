@@ -18,6 +18,8 @@ from miles.sync.delta import encode_state_delta
 from miles.sync.follower import WeightFollower
 from miles.sync.publisher import WeightPublisher, delta_keep_versions
 
+from .sync_helpers import running, until
+
 
 @pytest.fixture
 async def bus(nats_server: str) -> AsyncIterator[Bus]:
@@ -79,10 +81,8 @@ async def test_follower_tracks_every_delta_bit_exactly_and_downloads_little(bus:
 
     engine = _engine(seed=0)  # starts at version 0 (its checkpoint), without the payload's exact bits
     follower = WeightFollower(bus, full_store, engine, delta_store=delta_store)
-    stopping = asyncio.Event()
-    task = asyncio.create_task(follower.run(stopping))
-    try:
-        await _until(lambda: follower._base is not None)  # the v0 anchor is fetched as the base of v1
+    async with running(follower) as stopping:
+        await until(lambda: follower._base is not None)  # the v0 anchor is fetched as the base of v1
         for version in range(1, len(states)):
             ann = await pub.publish(states[version], version)
             assert ann.mode == "delta" and ann.base_version == version - 1 and ann.format == "miles-delta"
@@ -94,9 +94,6 @@ async def test_follower_tracks_every_delta_bit_exactly_and_downloads_little(bus:
         assert follower._base is not None and follower._base[0] == 5
         assert _same_bits(follower._base[1], states[-1])
         _assert_engine_holds(engine, states[-1])
-    finally:
-        stopping.set()
-        await task
 
 
 async def test_corrupt_delta_falls_back_and_never_stages_a_wrong_tensor(bus: Bus) -> None:
@@ -107,10 +104,8 @@ async def test_corrupt_delta_falls_back_and_never_stages_a_wrong_tensor(bus: Bus
     engine = _engine(seed=0)
     follower = WeightFollower(bus, full_store, engine, delta_store=delta_store)
     follower.retry_s = 0.2
-    stopping = asyncio.Event()
-    task = asyncio.create_task(follower.run(stopping))
-    try:
-        await _until(lambda: follower._base is not None)
+    async with running(follower) as stopping:
+        await until(lambda: follower._base is not None)
         await pub.publish(states[1], 1)
         assert await asyncio.wait_for(follower.wait_for(1, stopping), 20)
         follower.apply_staged()
@@ -131,7 +126,7 @@ async def test_corrupt_delta_falls_back_and_never_stages_a_wrong_tensor(bus: Bus
         )
         pub._prev = (2, states[2])  # the trainer moved on to version 2 as usual
         await bus.publish(bus.subjects.weights, bad)
-        await _until(lambda: follower.delta_fallbacks >= 1)
+        await until(lambda: follower.delta_fallbacks >= 1)
         await asyncio.sleep(0.5)
         assert follower.held_version == 1 and engine.pending_version is None  # nothing wrong staged
         _assert_engine_holds(engine, states[1])
@@ -144,9 +139,6 @@ async def test_corrupt_delta_falls_back_and_never_stages_a_wrong_tensor(bus: Bus
         assert engine.version == 7 and follower.delta_fallbacks >= 1
         assert follower._base is not None and _same_bits(follower._base[1], states[7])
         _assert_engine_holds(engine, states[7])
-    finally:
-        stopping.set()
-        await task
 
 
 async def test_late_worker_catches_up_from_the_anchor_then_follows_deltas(bus: Bus) -> None:
@@ -160,9 +152,7 @@ async def test_late_worker_catches_up_from_the_anchor_then_follows_deltas(bus: B
 
     engine = _engine(seed=0)
     follower = WeightFollower(bus, full_store, engine, delta_store=delta_store)
-    stopping = asyncio.Event()
-    task = asyncio.create_task(follower.run(stopping))
-    try:
+    async with running(follower) as stopping:
         assert await asyncio.wait_for(follower.wait_for(6, stopping), 20)
         follower.apply_staged()
         assert engine.version == 6 and follower.delta_fallbacks == 1
@@ -175,9 +165,6 @@ async def test_late_worker_catches_up_from_the_anchor_then_follows_deltas(bus: B
             assert follower.last_fetch_bytes == ann.size
         assert follower.delta_fallbacks == 1 and engine.version == 9
         assert _same_bits(follower._base[1], states[9])  # type: ignore[index]
-    finally:
-        stopping.set()
-        await task
 
 
 async def test_shape_change_publishes_a_full_anchor(bus: Bus) -> None:
@@ -204,11 +191,3 @@ def test_old_announcements_still_decode_and_delta_fields_are_checked() -> None:
         WeightsAnnounced(version=3, digest="d", size=1, chunks=1, mode="delta", format="miles-delta")
     with pytest.raises(ValueError):
         WeightsAnnounced(version=3, digest="d", size=1, chunks=1, base_version=2)
-
-
-async def _until(predicate, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(int(timeout_s / 0.05)):
-        if predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("condition not reached")

@@ -19,6 +19,8 @@ from miles.models import tiny
 from miles.sync.follower import WeightFollower
 from miles.sync.publisher import publish_weights
 
+from .sync_helpers import running, until
+
 
 @pytest.fixture
 async def bus(nats_server: str) -> AsyncIterator[Bus]:
@@ -37,21 +39,11 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
     return {k: v.to(torch.bfloat16) for k, v in _engine(seed).model.state_dict().items()}
 
 
-async def _until(predicate, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(int(timeout_s / 0.05)):
-        if predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("condition not reached")
-
-
 async def test_follower_applies_verified_weights_and_never_a_corrupt_payload(bus: Bus) -> None:
     store = await WeightStore.create(bus.js, "sync")
     engine = _engine(seed=0)
     follower = WeightFollower(bus, store, engine)
-    stopping = asyncio.Event()
-    task = asyncio.create_task(follower.run(stopping))
-    try:
+    async with running(follower) as stopping:
         v1 = _weights(seed=1)
         await publish_weights(bus, store, v1, 1, "bfloat16")
         assert await asyncio.wait_for(follower.wait_for(1, stopping), 20)
@@ -65,7 +57,7 @@ async def test_follower_applies_verified_weights_and_never_a_corrupt_payload(bus
         info = await store.put(2, b"\x00" * 1024)
         bad = WeightsAnnounced(version=2, digest="0" * 32, size=info.size, chunks=info.chunks)
         await bus.publish(bus.subjects.weights, bad)
-        await _until(lambda: follower.checksum_failures >= 1)
+        await until(lambda: follower.checksum_failures >= 1)
         assert not follower.apply_staged()
         assert engine.version == 1
         assert all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items())
@@ -76,9 +68,6 @@ async def test_follower_applies_verified_weights_and_never_a_corrupt_payload(bus
         assert await asyncio.wait_for(follower.wait_for(3, stopping), 20)
         follower.apply_staged()
         assert engine.version == 3
-    finally:
-        stopping.set()
-        await task
 
 
 async def test_late_worker_jumps_to_the_newest_version(bus: Bus) -> None:
@@ -87,15 +76,10 @@ async def test_late_worker_jumps_to_the_newest_version(bus: Bus) -> None:
         await publish_weights(bus, store, _weights(seed=version), version, "bfloat16")
     engine = _engine(seed=0)
     follower = WeightFollower(bus, store, engine)
-    stopping = asyncio.Event()
-    task = asyncio.create_task(follower.run(stopping))
-    try:
+    async with running(follower) as stopping:
         assert await asyncio.wait_for(follower.wait_for(5, stopping), 20)
         follower.apply_staged()
         assert engine.version == 5 and follower.syncs == 1  # straight to the newest, nothing in between
-    finally:
-        stopping.set()
-        await task
 
 
 async def test_weights_arriving_mid_generation_switch_in_at_a_token_boundary(bus: Bus) -> None:
@@ -140,9 +124,7 @@ async def test_verified_weights_that_do_not_fit_the_model_fail_loudly(bus: Bus) 
     store = await WeightStore.create(bus.js, "sync")
     engine = _engine(seed=0)
     follower = WeightFollower(bus, store, engine)
-    stopping = asyncio.Event()
-    task = asyncio.create_task(follower.run(stopping))
-    try:
+    async with running(follower) as stopping:
         wrong = {k: v.to(torch.bfloat16) for k, v in _engine(seed=1, hidden=64).model.state_dict().items()}
         await publish_weights(bus, store, wrong, 1, "bfloat16")
         with pytest.raises(ValueError, match="shape mismatch"):
@@ -150,6 +132,3 @@ async def test_verified_weights_that_do_not_fit_the_model_fail_loudly(bus: Bus) 
         with pytest.raises(ValueError, match="shape mismatch"):
             follower.apply_staged()
         assert engine.version == 0 and engine.pending_version is None
-    finally:
-        stopping.set()
-        await task

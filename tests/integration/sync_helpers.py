@@ -1,0 +1,30 @@
+"""Shared pieces of the weight-sync tests: a running follower and a polling wait."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+from miles.sync.follower import WeightFollower
+
+
+@contextlib.asynccontextmanager
+async def running(follower: WeightFollower) -> AsyncIterator[asyncio.Event]:
+    """Run ``follower`` in the background; yields its stop event and stops it on exit."""
+    stopping = asyncio.Event()
+    task = asyncio.create_task(follower.run(stopping))
+    try:
+        yield stopping
+    finally:
+        stopping.set()
+        await task
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    """Poll ``predicate`` every 50 ms; fail the test if it stays false for ``timeout_s``."""
+    for _ in range(int(timeout_s / 0.05)):
+        if predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not reached")
