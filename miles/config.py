@@ -144,6 +144,14 @@ class SglangEngineConfig(Strict):
     type: Literal["sglang"] = "sglang"
     url: str = Field(description="Base URL of the SGLang server, e.g. http://127.0.0.1:30000.")
     timeout_s: float = Field(600.0, gt=0, description="HTTP timeout per request.")
+    adapter_dir: str | None = Field(
+        None,
+        description="LoRA mode: directory, readable by the SGLang server, where each adapter version is written "
+        "before /load_lora_adapter (None: <run dir>/adapters).",
+    )
+    keep_adapters: int = Field(
+        2, ge=1, description="LoRA mode: adapter versions kept loaded in the server (older ones are unloaded)."
+    )
 
 
 EngineConfig = Annotated[
@@ -221,6 +229,18 @@ BackendConfig = Annotated[
 ]
 
 
+class LoraConfig(Strict):
+    """LoRA RL: low-rank adapters trained on a frozen base (peft); only adapter tensors are synced."""
+
+    rank: int = Field(8, ge=1, description="Adapter rank r.")
+    alpha: float = Field(16.0, gt=0, description="Scaling numerator: the update is (alpha / rank) * B @ A.")
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="Names of the linear layers that get adapters (suffixes of module names, as in peft).",
+    )
+
+
 class TrainerConfig(Strict):
     backend: BackendConfig = Field(default_factory=FsdpBackendConfig, description="Training backend.")
     ranks: int = Field(1, ge=1, description="Data-parallel ranks `miles run` starts.")
@@ -231,6 +251,9 @@ class TrainerConfig(Strict):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    lora: LoraConfig | None = Field(
+        None, description="Train LoRA adapters on a frozen base instead of all weights (None: full fine-tuning)."
+    )
     eval_every: int = Field(10, ge=0, description="Steps between held-out evaluations (0: only before and after).")
     seed: int = Field(0, description="Seed of model init and sampling in the trainer.")
 
@@ -248,12 +271,18 @@ class StalenessConfig(Strict):
 
 
 class SyncConfig(Strict):
-    mode: Literal["full", "delta"] = Field(
+    mode: Literal["full", "delta", "lora"] = Field(
         "full",
         description="Weight-sync mode: 'full' publishes every version whole; 'delta' publishes a sparse delta "
-        "against the previous version, with a full anchor every anchor_every versions (docs/weight-sync.md).",
+        "against the previous version, with a full anchor every anchor_every versions; 'lora' publishes only the "
+        "adapter tensors (needs trainer.lora) (docs/weight-sync.md).",
     )
-    dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="Rollout precision of published weights.")
+    dtype: Literal["bfloat16", "float32", "fp8_e4m3", "fp4_e2m1"] = Field(
+        "bfloat16",
+        description="Rollout precision of published weights: 'fp8_e4m3' (per-tensor power-of-two scale) and "
+        "'fp4_e2m1' (MXFP4: e8m0 scale per 32 elements) quantize the decoder's linear weights, the rest is bf16; "
+        "workers compute with the dequantized values, so rollout sees exactly the trainer's quantized weights.",
+    )
     keep_versions: int = Field(
         3,
         ge=1,
@@ -312,6 +341,10 @@ class RunConfig(Strict):
                 f"trainer.groups_per_step ({self.trainer.groups_per_step}) must be divisible by "
                 f"trainer.ranks ({self.trainer.ranks})"
             )
+        if self.sync.mode == "lora" and self.trainer.lora is None:
+            raise ValueError("sync.mode 'lora' needs trainer.lora (the adapter to train and sync)")
+        if self.trainer.lora is not None and self.sync.dtype in ("fp8_e4m3", "fp4_e2m1"):
+            raise ValueError(f"sync.dtype {self.sync.dtype!r} is not supported with trainer.lora (adapters are bf16)")
         return self
 
 
