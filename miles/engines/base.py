@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -45,6 +46,18 @@ class Generation:
             self.version_spans = [(0, self.weight_version)]
 
 
+@dataclass(frozen=True, slots=True)
+class SparseValues:
+    """New values at some flat positions of one tensor: ``tensor.view(-1)[index] = values``.
+
+    A delta-mode sync stages these instead of whole tensors, so the generation pause touches only the
+    elements that changed (about 2% of BF16 weights per step) rather than copying every tensor.
+    """
+
+    index: torch.Tensor  # (k,) int64, flat positions into the target tensor
+    values: torch.Tensor  # (k,) new values (cast to the target's dtype when applied)
+
+
 class Engine(Protocol):
     """A policy that samples tokens at a known weight version."""
 
@@ -73,8 +86,16 @@ class StagingEngine(Engine, Protocol):
     switches: int
     last_pause_s: float
 
-    def stage_weights(self, state: dict[str, torch.Tensor], version: int) -> bool:
-        """Validate and park weights for the next token boundary; False if not newer than what it holds."""
+    def stage_weights(
+        self,
+        state: Mapping[str, torch.Tensor | SparseValues],
+        version: int,
+        *,
+        base_version: int | None = None,
+        complete: bool = True,
+    ) -> bool:
+        """Validate and park weights for the next token boundary; False if not newer than what it holds
+        (or, for a partial update with ``base_version``, if the engine will not be at that version)."""
         ...
 
     def apply_pending(self) -> bool:

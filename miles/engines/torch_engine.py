@@ -34,7 +34,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from miles.config import TorchEngineConfig
-from miles.engines.base import Generation, SamplingParams
+from miles.engines.base import Generation, SamplingParams, SparseValues
 from miles.models.loading import to_torch_dtype
 
 log = structlog.get_logger(__name__)
@@ -122,7 +122,8 @@ class TorchEngine:
         self._version = int(version)
         self._lock = threading.Lock()  # generation and weight copies
         self._slot_lock = threading.Lock()  # the pending slot below; never held across a copy
-        self._pending: tuple[int, Mapping[str, torch.Tensor]] | None = None
+        # Staged updates, applied in order: one complete state, then partial ones (see stage_weights).
+        self._pending: list[tuple[int, Mapping[str, torch.Tensor | SparseValues]]] = []
         self._applying: int | None = None  # version being copied in (taken from the slot, not yet adopted)
         self.switches = 0
         self.last_pause_s = 0.0
@@ -143,8 +144,8 @@ class TorchEngine:
     def pending_version(self) -> int | None:
         """Version staged (or being copied in) but not yet adopted; None if none."""
         with self._slot_lock:
-            if self._pending is not None:
-                return self._pending[0]
+            if self._pending:
+                return self._pending[-1][0]
             return self._applying
 
     # ------------------------------------------------------------------ generation
@@ -213,7 +214,7 @@ class TorchEngine:
             if step + 1 == params.max_new_tokens or bool(finished.all()):
                 break
             # Token boundary: newer staged weights switch in here; the KV cache is kept (module docstring).
-            if self._pending is not None and self._apply_pending_locked(at_token=step + 1):
+            if self._pending and self._apply_pending_locked(at_token=step + 1):
                 spans.append((step + 1, self._version))
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=dev)], dim=1)  # (B, T+step+1)
             out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=next_pos, **fwd)
@@ -222,21 +223,32 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ weights
 
-    def _validate(self, state: Mapping[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
-        """Check ``state`` covers the model with the right shapes; return the model's state dict."""
+    def _validate(
+        self, state: Mapping[str, torch.Tensor | SparseValues], what: str, *, complete: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """Check ``state`` fits the model (and covers it if ``complete``); return the model's state dict."""
         targets = self.model.state_dict()
         for key in state:
             if key not in targets:
                 raise ValueError(f"{what}: unexpected key {key!r} (not in the model's state dict)")
-        provided_storages = {targets[k].untyped_storage().data_ptr() for k in state}
-        for key, target in targets.items():
-            if key not in state and target.untyped_storage().data_ptr() not in provided_storages:
-                raise ValueError(f"{what}: missing key {key!r}")
-        for key, tensor in state.items():
-            if tuple(tensor.shape) != tuple(targets[key].shape):
+        if complete:
+            provided_storages = {targets[k].untyped_storage().data_ptr() for k in state}
+            for key, target in targets.items():
+                if key not in state and target.untyped_storage().data_ptr() not in provided_storages:
+                    raise ValueError(f"{what}: missing key {key!r}")
+        for key, value in state.items():
+            target = targets[key]
+            if isinstance(value, SparseValues):
+                index, values = value.index, value.values
+                if index.dim() != 1 or values.dim() != 1 or index.numel() != values.numel():
+                    raise ValueError(f"{what}: sparse update of {key!r} needs 1-D index and values of equal length")
+                if index.dtype != torch.int64:
+                    raise ValueError(f"{what}: sparse update of {key!r} has index dtype {index.dtype}, not int64")
+                if index.numel() and not (0 <= int(index.min()) and int(index.max()) < target.numel()):
+                    raise ValueError(f"{what}: sparse update of {key!r} indexes outside its {target.numel()} elements")
+            elif tuple(value.shape) != tuple(target.shape):
                 raise ValueError(
-                    f"{what}: shape mismatch for {key!r}: got {tuple(tensor.shape)}, "
-                    f"model has {tuple(targets[key].shape)}"
+                    f"{what}: shape mismatch for {key!r}: got {tuple(value.shape)}, model has {tuple(target.shape)}"
                 )
         return targets
 
@@ -254,30 +266,55 @@ class TorchEngine:
                 targets[key].copy_(tensor)
             self._version = int(version)
             with self._slot_lock:
-                if self._pending is not None and self._pending[0] <= self._version:
-                    self._pending = None
+                if self._pending and self._pending[-1][0] <= self._version:
+                    self._pending = []
 
-    def stage_weights(self, state: Mapping[str, torch.Tensor], version: int) -> bool:
-        """Park a full weight set to be applied at the next token boundary (or next generate/apply_pending).
+    def stage_weights(
+        self,
+        state: Mapping[str, torch.Tensor | SparseValues],
+        version: int,
+        *,
+        base_version: int | None = None,
+        complete: bool = True,
+    ) -> bool:
+        """Park weights to be applied at the next token boundary (or next generate/apply_pending).
 
         Thread-safe and non-blocking (the copy happens later, in the thread that applies it). Keys and
         shapes are validated now (``ValueError``, nothing staged). Newest version wins: a version not
         newer than the one in use, being applied or already staged is ignored (returns False), so a
         worker several versions behind jumps to the newest and never goes back. The caller must not
         mutate ``state`` afterwards.
+
+        ``complete=False`` stages a partial update: only the given tensors change, and a value may be
+        :class:`SparseValues` (new values at flat positions). Partial updates queue behind what is
+        already staged and are applied in order. With ``base_version`` the update is relative to that
+        version (a delta): it is refused (False) unless the engine will be exactly there when it
+        applies, so a delta is never applied on top of the wrong weights. Without it, the tensors it
+        names are absolute (e.g. adapter-merged weights on a fixed base).
         """
-        self._validate(state, "stage_weights")
+        if not complete and base_version is None and any(isinstance(v, SparseValues) for v in state.values()):
+            raise ValueError("stage_weights: sparse values are relative, so they need base_version")
+        self._validate(state, "stage_weights", complete=complete)
         version = int(version)
         with self._slot_lock:
-            newest = max(
-                self._version,
-                self._pending[0] if self._pending is not None else -1,
-                self._applying if self._applying is not None else -1,
-            )
+            newest = self._newest_locked()
             if version <= newest:
                 return False
-            self._pending = (version, state)
+            if complete:
+                self._pending = [(version, state)]
+            elif base_version is not None and int(base_version) != newest:
+                return False
+            else:
+                self._pending.append((version, state))
         return True
+
+    def _newest_locked(self) -> int:
+        """Version the engine will be at once everything staged is applied (caller holds ``_slot_lock``)."""
+        return max(
+            self._version,
+            self._pending[-1][0] if self._pending else -1,
+            self._applying if self._applying is not None else -1,
+        )
 
     def apply_pending(self) -> bool:
         """Apply staged weights now if the engine is idle; True if it switched.
@@ -293,18 +330,23 @@ class TorchEngine:
             self._lock.release()
 
     def _apply_pending_locked(self, at_token: int | None) -> bool:
-        """Copy the staged weights in (caller holds ``_lock``); True if the version changed."""
+        """Copy the staged updates in, in order (caller holds ``_lock``); True if the version changed."""
         with self._slot_lock:
-            staged, self._pending = self._pending, None
-            if staged is None or staged[0] <= self._version:
+            staged, self._pending = self._pending, []
+            if not staged or staged[-1][0] <= self._version:
                 return False
-            version, state = staged
+            version = staged[-1][0]
             self._applying = version
         try:
             start = time.perf_counter()
             targets = self.model.state_dict()
-            for key, tensor in state.items():
-                targets[key].copy_(tensor)
+            for _, state in staged:
+                for key, value in state.items():
+                    target = targets[key]
+                    if isinstance(value, SparseValues):
+                        target.view(-1).index_copy_(0, value.index, value.values.to(target.dtype))
+                    else:
+                        target.copy_(value)
             pause = time.perf_counter() - start
             self._version = version
         finally:
@@ -313,5 +355,7 @@ class TorchEngine:
         self.switches += 1
         self.last_pause_s = pause
         self.pauses_s = [*self.pauses_s[-999:], pause]
-        log.info("weights_applied", version=version, pause_ms=round(pause * 1e3, 2), at_token=at_token)
+        log.info(
+            "weights_applied", version=version, pause_ms=round(pause * 1e3, 2), at_token=at_token, updates=len(staged)
+        )
         return True

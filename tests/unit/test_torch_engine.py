@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from miles.config import TinyModelConfig, TorchEngineConfig
-from miles.engines.base import SamplingParams
+from miles.engines.base import SamplingParams, SparseValues
 from miles.engines.registry import build_engine
 from miles.engines.torch_engine import TorchEngine, _forward_kwargs, _new_cache
 from miles.models import tiny
@@ -451,3 +451,63 @@ def test_staging_racing_generation_keeps_spans_consistent(
         assert all(0 < s < 6 for s in starts[1:])
         assert versions[0] >= last  # a later generation never starts at an older version
         last = versions[0]
+
+
+def _sparse_delta(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, SparseValues]:
+    """The positions where ``new`` differs from ``old`` and its values there, per tensor."""
+    out = {}
+    for name, t in new.items():
+        idx = torch.nonzero(t.reshape(-1) != old[name].reshape(-1)).reshape(-1)
+        out[name] = SparseValues(idx, t.reshape(-1)[idx])
+    return out
+
+
+def test_sparse_deltas_queue_in_order_and_need_the_right_base(
+    tok: PreTrainedTokenizerFast, prompts: list[list[int]]
+) -> None:
+    engine = make_engine(tok, 0)
+    v0 = _state(tok, 0)
+    v1 = {k: v.clone() for k, v in v0.items()}
+    v2 = {k: v.clone() for k, v in v0.items()}
+    key = "model.layers.0.mlp.up_proj.weight"
+    v1[key].view(-1)[::7] += 0.5  # 1/7 of one tensor changes, then a disjoint and an overlapping set
+    v2[key].copy_(v1[key])
+    v2[key].view(-1)[::5] -= 0.25
+    d1, d2 = _sparse_delta(v0, v1), _sparse_delta(v1, v2)
+    assert 0 < d2[key].index.numel() < v2[key].numel()
+
+    assert not engine.stage_weights(d2, 2, base_version=1, complete=False)  # engine is at 0, not 1
+    assert engine.stage_weights(d1, 1, base_version=0, complete=False)
+    assert engine.stage_weights(d2, 2, base_version=1, complete=False)  # queues behind version 1
+    assert engine.pending_version == 2
+    assert engine.apply_pending() and engine.version == 2 and engine.switches == 1
+    assert all(torch.equal(t, v2[n]) for n, t in engine.model.state_dict().items())
+
+    # A complete state replaces the queue; a delta against a version that will not be reached is refused.
+    assert engine.stage_weights(d1, 3, base_version=2, complete=False)
+    assert engine.stage_weights(v0, 4)
+    assert not engine.stage_weights(d2, 5, base_version=3, complete=False)
+    assert engine.apply_pending() and engine.version == 4
+    assert all(torch.equal(t, v0[n]) for n, t in engine.model.state_dict().items())
+
+    # Absolute partial updates (adapter-merged tensors on a fixed base) need no base version.
+    merged = {key: v2[key]}
+    assert engine.stage_weights(merged, 5, complete=False) and engine.apply_pending()
+    assert torch.equal(engine.model.state_dict()[key], v2[key]) and engine.version == 5
+
+
+def test_sparse_updates_are_validated_up_front(tok: PreTrainedTokenizerFast) -> None:
+    engine = make_engine(tok, 0)
+    key = "model.layers.0.mlp.up_proj.weight"
+    n = engine.model.state_dict()[key].numel()
+    bad = {
+        "outside": SparseValues(torch.tensor([n]), torch.zeros(1)),
+        "index dtype": SparseValues(torch.tensor([0], dtype=torch.int32), torch.zeros(1)),
+        "equal length": SparseValues(torch.tensor([0, 1]), torch.zeros(1)),
+    }
+    for what, value in bad.items():
+        with pytest.raises(ValueError, match=what):
+            engine.stage_weights({key: value}, 1, base_version=0, complete=False)
+    with pytest.raises(ValueError, match="need base_version"):
+        engine.stage_weights({key: SparseValues(torch.tensor([0]), torch.zeros(1))}, 1, complete=False)
+    assert engine.pending_version is None and engine.version == 0
