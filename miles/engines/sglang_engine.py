@@ -13,21 +13,43 @@ contract we rely on, and which ``tests/unit/test_sglang_engine_contract.py`` pin
   safetensors (plus config) to a path the *server* can read, then calls :meth:`SglangEngine.load_weights`
   with ``model_path``.
 * ``GET /get_weight_version`` (newer servers: ``GET /model_info``) for the server's version.
+
+LoRA mode (a frozen base plus adapters trained with peft; only the adapter travels):
+
+* The server must be started with LoRA enabled and sized for our adapters: ``--enable-lora``,
+  ``--max-lora-rank`` >= the adapter rank, ``--lora-target-modules`` covering the adapter's
+  ``target_modules``, and ``--max-loaded-loras`` >= ``cfg.keep_adapters + 1`` (a new adapter is loaded
+  before the oldest is unloaded); ``--max-loras-per-batch`` >= 2 lets requests for the old and the new
+  adapter share a batch during a switch.
+* ``POST /load_lora_adapter`` with ``lora_name`` and ``lora_path`` (a peft adapter directory the server
+  can read, written by :func:`miles.engines.adapter_files.save_peft_adapter`) answers
+  ``{success, error_message | message}``; SGLang answers a failure with HTTP 400.
+* ``POST /unload_lora_adapter`` with ``lora_name``; the server waits for requests using it to finish.
+* ``POST /generate`` with ``lora_path`` set to the *name* of a loaded adapter (SGLang rejects an unknown
+  name with HTTP 400). ``meta_info.weight_version`` then describes the base weights, not the adapter.
+
+Adapter names are versioned (``<adapter_prefix>-v<version>``), so a name never refers to two different
+adapters: a request that names ``miles-v7`` is served by adapter 7 or refused, never by a stale one.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
+
+import structlog
 
 from miles.config import SglangEngineConfig
 from miles.engines.base import Generation, SamplingParams
 
 if TYPE_CHECKING:
     import torch
+
+log = structlog.get_logger(__name__)
 
 
 class SglangError(RuntimeError):
@@ -54,18 +76,49 @@ def _finish_reason(raw: Any) -> str:
     raise SglangError(f"generation did not finish normally: finish_reason={raw!r}{suffix}")
 
 
-class SglangEngine:
-    """:class:`~miles.engines.base.Engine` over a running SGLang server at ``cfg.url``."""
+def _reply_message(reply: Any) -> str:
+    """The error text of a ``{success: false, ...}`` reply (SGLang: ``error_message``; some: ``message``)."""
+    if isinstance(reply, dict):
+        return str(reply.get("error_message") or reply.get("message") or reply)
+    return repr(reply)
 
-    def __init__(self, cfg: SglangEngineConfig, version: int = 0) -> None:
+
+class SglangEngine:
+    """:class:`~miles.engines.base.Engine` over a running SGLang server at ``cfg.url``.
+
+    Full-weights mode: :meth:`load_weights`. LoRA mode: :meth:`load_adapter`; from the first successful
+    call on, every :meth:`generate` request names the current adapter. ``adapter_prefix`` starts the
+    adapter names this engine gives the server; engines sharing one server, or a server that outlives a
+    training run, need distinct prefixes (e.g. include the run id), or a name could mean another adapter.
+    :meth:`generate` may run in one thread while :meth:`load_adapter` runs in another.
+    """
+
+    def __init__(self, cfg: SglangEngineConfig, version: int = 0, *, adapter_prefix: str = "miles") -> None:
+        if not adapter_prefix:
+            raise ValueError("adapter_prefix must be a non-empty string")
         self.cfg = cfg
         self.base_url = cfg.url.rstrip("/")
+        self.adapter_prefix = adapter_prefix
         self._version = int(version)
+        self._state_lock = threading.Lock()  # guards _version, _adapter, _loaded; held only briefly
+        self._load_lock = threading.Lock()  # one load_adapter at a time (held across its HTTP calls)
+        self._adapter: tuple[str, int] | None = None  # (name, version) that new requests use
+        self._loaded: dict[str, str] = {}  # name -> path of adapters loaded and not unloaded, oldest first
 
     @property
     def version(self) -> int:
-        """Version of the last weights this engine loaded (or was constructed with)."""
+        """Version of the last weights or adapter this engine loaded (or was constructed with)."""
         return self._version
+
+    @property
+    def current_adapter(self) -> str | None:
+        """Name of the adapter new requests use (``<adapter_prefix>-v<version>``), or None before any."""
+        current = self._adapter
+        return None if current is None else current[0]
+
+    def adapter_name(self, version: int) -> str:
+        """The server-side name of adapter ``version``."""
+        return f"{self.adapter_prefix}-v{int(version)}"
 
     # ------------------------------------------------------------------ HTTP
 
@@ -93,7 +146,9 @@ class SglangEngine:
         """One batched ``/generate`` call; output ids include a matched stop token, as SGLang returns them."""
         if not prompts:
             return []
-        payload = {
+        with self._state_lock:  # one adapter for the whole request, even if load_adapter runs meanwhile
+            adapter = self._adapter
+        payload: dict[str, Any] = {
             "input_ids": [list(p) for p in prompts],
             "sampling_params": {
                 "max_new_tokens": params.max_new_tokens,
@@ -103,15 +158,18 @@ class SglangEngine:
             },
             "return_logprob": True,
         }
+        if adapter is not None:
+            payload["lora_path"] = adapter[0]
         results = self._request("POST", "/generate", payload)
         if isinstance(results, dict):  # a single-prompt server reply
             results = [results]
         if not isinstance(results, list) or len(results) != len(prompts):
             got = len(results) if isinstance(results, list) else type(results).__name__
             raise SglangError(f"/generate returned {got} results for {len(prompts)} prompts")
-        return [self._parse(prompt, item) for prompt, item in zip(prompts, results, strict=True)]
+        adapter_version = None if adapter is None else adapter[1]
+        return [self._parse(prompt, item, adapter_version) for prompt, item in zip(prompts, results, strict=True)]
 
-    def _parse(self, prompt: list[int], item: Mapping[str, Any]) -> Generation:
+    def _parse(self, prompt: list[int], item: Mapping[str, Any], adapter_version: int | None = None) -> Generation:
         meta = item.get("meta_info") or {}
         token_lps = meta.get("output_token_logprobs")
         if token_lps is None:
@@ -126,7 +184,11 @@ class SglangEngine:
             output_ids=[int(t) for t in output_ids],
             logprobs=[float(entry[0]) for entry in token_lps],
             finish_reason=_finish_reason(meta.get("finish_reason")),
-            weight_version=_parse_version(meta.get("weight_version"), self._version),
+            weight_version=(
+                adapter_version
+                if adapter_version is not None  # the server's weight_version is the base's in LoRA mode
+                else _parse_version(meta.get("weight_version"), self._version)
+            ),
         )
 
     def load_weights(
@@ -149,6 +211,60 @@ class SglangEngine:
             message = reply.get("message") if isinstance(reply, dict) else reply
             raise SglangError(f"/update_weights_from_disk {model_path!r} failed: {message}")
         self._version = int(version)
+
+    # ------------------------------------------------------------------ LoRA
+
+    def load_adapter(self, adapter_path: str, version: int) -> str:
+        """Load the peft adapter directory ``adapter_path`` (readable by the server) as adapter ``version``.
+
+        The server gets it as ``<adapter_prefix>-v<version>``; once loaded it is the adapter every new
+        :meth:`generate` request uses and ``version`` is this engine's :attr:`version`. Then adapters
+        beyond the ``cfg.keep_adapters`` most recently loaded are unloaded (a failed unload is logged and
+        forgotten). Requests already sent keep the adapter they named; SGLang finishes them before
+        unloading it. Returns the adapter's name.
+
+        A refused load raises :class:`SglangError` naming the adapter and the server's message, and
+        leaves the current adapter as it was. Loading a version again from the same path only makes it
+        current again; from a different path it raises ``ValueError`` (one name, one adapter).
+        """
+        name = self.adapter_name(version)
+        with self._load_lock:
+            known = self._loaded.get(name)
+            if known is not None and known != adapter_path:
+                raise ValueError(
+                    f"LoRA adapter {name!r} is already loaded from {known!r}; refusing to load {adapter_path!r} "
+                    "under the same name (use a new version)"
+                )
+            if known is None:
+                try:
+                    reply = self._request("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": adapter_path})
+                except SglangError as exc:
+                    raise SglangError(f"loading LoRA adapter {name!r} from {adapter_path!r} failed: {exc}") from None
+                if not isinstance(reply, dict) or not reply.get("success", False):
+                    raise SglangError(
+                        f"loading LoRA adapter {name!r} from {adapter_path!r} failed: {_reply_message(reply)}"
+                    )
+            with self._state_lock:
+                self._loaded.pop(name, None)
+                self._loaded[name] = adapter_path  # now the most recently loaded
+                self._adapter = (name, int(version))
+                self._version = int(version)
+                stale = list(self._loaded)[: max(0, len(self._loaded) - self.cfg.keep_adapters)]
+                for old in stale:
+                    del self._loaded[old]
+            for old in stale:
+                self._unload(old)
+        log.info("sglang_adapter_loaded", adapter=name, path=adapter_path, unloaded=stale)
+        return name
+
+    def _unload(self, name: str) -> None:
+        try:
+            reply = self._request("POST", "/unload_lora_adapter", {"lora_name": name})
+        except SglangError as exc:
+            log.warning("sglang_adapter_unload_failed", adapter=name, error=str(exc))
+            return
+        if not isinstance(reply, dict) or not reply.get("success", False):
+            log.warning("sglang_adapter_unload_failed", adapter=name, error=_reply_message(reply))
 
     def server_version(self) -> int | None:
         """The server's current weight version (``/get_weight_version``, else ``/model_info``), or None."""

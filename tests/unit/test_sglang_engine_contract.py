@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+import structlog
 
 from miles.config import SglangEngineConfig
 from miles.engines.base import SamplingParams
@@ -30,6 +31,13 @@ class FakeSglangServer:
         self.legacy_version_route = True
         self.omit_output_ids = False
         self.finish_reasons: list[Any] = []
+        # LoRA: adapter name -> path, as the server holds them; a name in fail_loads is refused.
+        self.adapters: dict[str, str] = {}
+        self.fail_loads: dict[str, str] = {}
+        self.fail_unloads = False
+        self.load_failure_status = 400  # SGLang answers a refused load with HTTP 400
+        self.generate_gate: threading.Event | None = None  # when set, /generate waits for it
+        self.generate_started = threading.Event()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -58,6 +66,10 @@ class FakeSglangServer:
                 server.requests.append(("POST", self.path, body))
                 if self.path == "/generate":
                     self._reply(*server.generate(body))
+                elif self.path == "/load_lora_adapter":
+                    self._reply(*server.load_lora_adapter(body))
+                elif self.path == "/unload_lora_adapter":
+                    self._reply(*server.unload_lora_adapter(body))
                 elif self.path == "/update_weights_from_disk":
                     if not isinstance(body.get("model_path"), str) or not isinstance(body.get("weight_version"), str):
                         self._reply(400, {"error": "bad update request"})
@@ -73,7 +85,33 @@ class FakeSglangServer:
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
 
+    def load_lora_adapter(self, body: dict[str, Any]) -> tuple[int, Any]:
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if set(body) != {"lora_name", "lora_path"} or not isinstance(name, str) or not isinstance(path, str):
+            return 400, {"error": f"expected lora_name and lora_path strings, got {body}"}
+        if name in self.adapters:
+            return 400, {"success": False, "error_message": f"LoRA adapter {name} is already loaded"}
+        if name in self.fail_loads:
+            if self.load_failure_status == 200:  # the brief's {success, message} shape
+                return 200, {"success": False, "message": self.fail_loads[name]}
+            return self.load_failure_status, {"success": False, "error_message": self.fail_loads[name]}
+        self.adapters[name] = path
+        return 200, {"success": True, "error_message": None, "loaded_adapters": dict(self.adapters)}
+
+    def unload_lora_adapter(self, body: dict[str, Any]) -> tuple[int, Any]:
+        name = body.get("lora_name")
+        if self.fail_unloads or name not in self.adapters:
+            return 400, {"success": False, "error_message": f"LoRA adapter {name} is not loaded"}
+        del self.adapters[name]
+        return 200, {"success": True, "error_message": None, "loaded_adapters": dict(self.adapters)}
+
+    def lora_calls(self) -> list[tuple[str, Any]]:
+        return [(p, b) for _, p, b in self.requests if p in ("/load_lora_adapter", "/unload_lora_adapter")]
+
     def generate(self, body: dict[str, Any]) -> tuple[int, Any]:
+        self.generate_started.set()
+        if self.generate_gate is not None:
+            self.generate_gate.wait(5)
         ids, sp = body.get("input_ids"), body.get("sampling_params", {})
         if (
             body.get("return_logprob") is not True
@@ -83,6 +121,13 @@ class FakeSglangServer:
             return 400, {"error": "expected input_ids: list[list[int]] and return_logprob: true"}
         if set(sp) != {"max_new_tokens", "temperature", "top_p", "stop_token_ids"}:
             return 400, {"error": f"unexpected sampling_params keys {sorted(sp)}"}
+        if not set(body) <= {"input_ids", "sampling_params", "return_logprob", "lora_path"}:
+            return 400, {"error": f"unexpected keys {sorted(body)}"}
+        if "lora_path" in body:
+            names = body["lora_path"] if isinstance(body["lora_path"], list) else [body["lora_path"]] * len(ids)
+            unknown = [n for n in names if n is not None and n not in self.adapters]
+            if unknown or len(names) != len(ids):
+                return 400, {"object": "error", "message": f"LoRA adapter {unknown} not loaded", "code": 400}
         out = []
         for i, prompt in enumerate(ids):
             # Row i answers with prompt[-1] + 1, + 2, ... and stops if it hits a stop token.
@@ -201,3 +246,133 @@ def test_http_errors_and_unreachable_server_raise_sglang_error(fake: FakeSglangS
     fake.httpd.server_close()
     with pytest.raises(SglangError, match="cannot reach SGLang"):
         engine.generate([[1]], SamplingParams())
+
+
+# ---------------------------------------------------------------------------------------------- LoRA
+
+
+def test_load_adapter_uses_versioned_names_and_generate_names_the_newest(fake: FakeSglangServer) -> None:
+    fake.weight_version = "0"  # LoRA mode: the server's version is the base's, never the adapter's
+    engine = engine_for(fake)
+    assert engine.current_adapter is None
+    engine.generate([[1]], SamplingParams(max_new_tokens=1))
+    assert "lora_path" not in fake.requests[-1][2]
+
+    assert engine.load_adapter("/shared/adapters/v3", version=3) == "miles-v3"
+    assert fake.requests[-1] == (
+        "POST",
+        "/load_lora_adapter",
+        {"lora_name": "miles-v3", "lora_path": "/shared/adapters/v3"},
+    )
+    assert engine.current_adapter == "miles-v3" and engine.version == 3
+    gens = engine.generate([[1], [2]], SamplingParams(max_new_tokens=2))
+    assert fake.requests[-1][2]["lora_path"] == "miles-v3"
+    assert [g.weight_version for g in gens] == [3, 3]
+
+    engine.load_adapter("/shared/adapters/v4", version=4)
+    gens = engine.generate([[1]], SamplingParams(max_new_tokens=1))
+    assert fake.requests[-1][2]["lora_path"] == "miles-v4" and gens[0].weight_version == 4
+    assert fake.adapters == {"miles-v3": "/shared/adapters/v3", "miles-v4": "/shared/adapters/v4"}
+
+
+def test_adapter_prefix_names_adapters() -> None:
+    engine = SglangEngine(SglangEngineConfig(url="http://127.0.0.1:1"), adapter_prefix="run42")
+    assert engine.adapter_name(7) == "run42-v7"
+    with pytest.raises(ValueError, match="adapter_prefix"):
+        SglangEngine(SglangEngineConfig(url="http://127.0.0.1:1"), adapter_prefix="")
+
+
+def test_adapters_beyond_keep_adapters_are_unloaded(fake: FakeSglangServer) -> None:
+    engine = SglangEngine(SglangEngineConfig(url=fake.url, timeout_s=5, keep_adapters=2))
+    for v in (1, 2, 3, 4):
+        engine.load_adapter(f"/a/v{v}", version=v)
+    assert fake.lora_calls() == [
+        ("/load_lora_adapter", {"lora_name": "miles-v1", "lora_path": "/a/v1"}),
+        ("/load_lora_adapter", {"lora_name": "miles-v2", "lora_path": "/a/v2"}),
+        ("/load_lora_adapter", {"lora_name": "miles-v3", "lora_path": "/a/v3"}),
+        ("/unload_lora_adapter", {"lora_name": "miles-v1"}),  # only after the new one is loaded
+        ("/load_lora_adapter", {"lora_name": "miles-v4", "lora_path": "/a/v4"}),
+        ("/unload_lora_adapter", {"lora_name": "miles-v2"}),
+    ]
+    assert sorted(fake.adapters) == ["miles-v3", "miles-v4"] and engine.current_adapter == "miles-v4"
+
+    one = SglangEngine(SglangEngineConfig(url=fake.url, timeout_s=5, keep_adapters=1), adapter_prefix="solo")
+    one.load_adapter("/a/v1", version=1)
+    one.load_adapter("/a/v2", version=2)
+    assert sorted(n for n in fake.adapters if n.startswith("solo")) == ["solo-v2"]
+
+
+def test_failed_unload_is_logged_not_fatal(fake: FakeSglangServer) -> None:
+    engine = SglangEngine(SglangEngineConfig(url=fake.url, timeout_s=5, keep_adapters=1))
+    engine.load_adapter("/a/v1", version=1)
+    fake.fail_unloads = True
+    with structlog.testing.capture_logs() as logs:
+        assert engine.load_adapter("/a/v2", version=2) == "miles-v2"
+    assert engine.current_adapter == "miles-v2"
+    failed = [e for e in logs if e["event"] == "sglang_adapter_unload_failed"]
+    assert len(failed) == 1 and failed[0]["adapter"] == "miles-v1" and "not loaded" in failed[0]["error"]
+    fake.fail_unloads = False
+    engine.load_adapter("/a/v3", version=3)  # the failed one is not retried
+    assert fake.lora_calls()[-1] == ("/unload_lora_adapter", {"lora_name": "miles-v2"})
+
+
+@pytest.mark.parametrize("status", [400, 200])
+def test_failed_load_raises_and_keeps_the_previous_adapter(fake: FakeSglangServer, status: int) -> None:
+    engine = engine_for(fake)
+    engine.load_adapter("/a/v1", version=1)
+    fake.load_failure_status = status
+    fake.fail_loads["miles-v2"] = "LoRA rank 64 exceeds --max-lora-rank 16"
+    with pytest.raises(SglangError, match=r"'miles-v2'.*max-lora-rank 16"):
+        engine.load_adapter("/a/v2", version=2)
+    assert engine.current_adapter == "miles-v1" and engine.version == 1
+    gens = engine.generate([[1]], SamplingParams(max_new_tokens=1))
+    assert fake.requests[-1][2]["lora_path"] == "miles-v1" and gens[0].weight_version == 1
+    assert "miles-v1" in fake.adapters  # nothing was unloaded for the failed load
+
+    del fake.fail_loads["miles-v2"]
+    engine.load_adapter("/a/v2", version=2)  # the same version can be retried
+    assert engine.current_adapter == "miles-v2"
+
+
+def test_reloading_a_version_never_rebinds_its_name(fake: FakeSglangServer) -> None:
+    engine = engine_for(fake)
+    engine.load_adapter("/a/v1", version=1)
+    engine.load_adapter("/a/v2", version=2)
+    calls = len(fake.lora_calls())
+    assert engine.load_adapter("/a/v1", version=1) == "miles-v1"  # same adapter: current again, no request
+    assert len(fake.lora_calls()) == calls and engine.current_adapter == "miles-v1" and engine.version == 1
+    with pytest.raises(ValueError, match="already loaded"):
+        engine.load_adapter("/elsewhere/v2", version=2)
+    assert engine.current_adapter == "miles-v1"
+
+    # A name the server holds from elsewhere (another engine, an earlier run) is refused, not reused.
+    other = engine_for(fake)
+    with pytest.raises(SglangError, match="'miles-v2'.*already loaded"):
+        other.load_adapter("/b/v2", version=2)
+    assert other.current_adapter is None
+
+
+def test_unknown_adapter_name_is_rejected_by_the_server(fake: FakeSglangServer) -> None:
+    engine = engine_for(fake)
+    engine.load_adapter("/a/v1", version=1)
+    fake.adapters.clear()  # e.g. the server restarted
+    with pytest.raises(SglangError, match="HTTP 400.*not loaded"):
+        engine.generate([[1]], SamplingParams(max_new_tokens=1))
+
+
+def test_request_keeps_its_adapter_while_a_new_one_loads(fake: FakeSglangServer) -> None:
+    engine = engine_for(fake)
+    engine.load_adapter("/a/v1", version=1)
+    fake.generate_gate = threading.Event()
+    result: list[Any] = []
+    worker = threading.Thread(target=lambda: result.extend(engine.generate([[1]], SamplingParams(max_new_tokens=1))))
+    worker.start()
+    assert fake.generate_started.wait(5)
+    engine.load_adapter("/a/v2", version=2)  # while the request is in flight
+    fake.generate_gate.set()
+    worker.join(5)
+    generate_bodies = [b for _, p, b in fake.requests if p == "/generate"]
+    assert generate_bodies[-1]["lora_path"] == "miles-v1"
+    assert [g.weight_version for g in result] == [1]
+    fake.generate_gate = None
+    assert engine.generate([[1]], SamplingParams(max_new_tokens=1))[0].weight_version == 2
