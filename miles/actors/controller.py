@@ -8,11 +8,16 @@ trainer re-checks on consumption because arrival order is not issue order.
 
 The controller's own state (issued count, dataset cursor, re-issue queue) lives in the run's KV
 bucket and its inputs come from durable consumers, so a restarted controller carries on.
+
+It also audits weight sync (:mod:`miles.actors.weight_audit`): each worker's ``weights_held`` report
+is checked against the state digest the trainer announced for that version, and a worker holding
+other weights is flagged (``weights_mismatch`` error event, heartbeat stats, summary.json).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 from dataclasses import asdict, dataclass, field
@@ -22,7 +27,8 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from miles.actors.base import Actor
 from miles.actors.run_record import RunRecord
-from miles.bus.client import KEY_STATUS, messages_until
+from miles.actors.weight_audit import WeightAudit
+from miles.bus.client import KEY_STATUS, Bus, messages_until
 from miles.bus.schema import (
     Control,
     EvalResult,
@@ -33,6 +39,7 @@ from miles.bus.schema import (
     StepMetrics,
     TrainerDone,
     WeightsAnnounced,
+    WeightsHeld,
     decode_any,
 )
 from miles.tasks.base import Sample
@@ -66,12 +73,14 @@ class Controller(Actor):
         self._wake = asyncio.Event()
         self.record = RunRecord(self.run_dir)
         self._epoch_order: tuple[int, list[str]] = (-1, [])
+        self.audit = WeightAudit(logger=self.log)
 
     def heartbeat(self) -> Heartbeat:
         stats = {
             "issued": float(self.state.issued),
             "discarded": float(self.state.discarded),
             "dead_lettered": float(self.bus.dead_lettered),
+            **self.audit.stats(),
         }
         return Heartbeat(role=self.role, actor_id=self.actor_id, version=self.trainer_version, stats=stats)
 
@@ -92,6 +101,7 @@ class Controller(Actor):
             tg.create_task(self._follow_heartbeats(done), name="controller.heartbeats")
             tg.create_task(self._follow_discards(done), name="controller.discards")
             tg.create_task(self._follow_metrics(done), name="controller.metrics")
+            tg.create_task(self._follow_weights_held(done), name="controller.weights_held")
             tg.create_task(self._admit(done), name="controller.admission")
             stop_waiter = tg.create_task(self.stopping.wait(), name="controller.stop")
             await asyncio.wait([stop_waiter, tg.create_task(done.wait())], return_when=asyncio.FIRST_COMPLETED)
@@ -150,7 +160,10 @@ class Controller(Actor):
         sub = await self.bus.js.subscribe(self.bus.subjects.weights, ordered_consumer=True, config=config)
         async for msg in messages_until(sub, done):
             ann = await self.bus.decode_or_dead_letter(msg, WeightsAnnounced)
-            if ann is not None and ann.version > self.trainer_version:
+            if ann is None:
+                continue
+            self.audit.announce(ann)
+            if ann.version > self.trainer_version:
                 self.trainer_version = ann.version
                 self._wake.set()
 
@@ -229,6 +242,10 @@ class Controller(Actor):
             handle,
         )
 
+    async def _follow_weights_held(self, done: asyncio.Event) -> None:
+        """Feed every worker's ``weights_held`` report to the audit (durable: none is missed while we run)."""
+        await follow_weights_held(self.bus, self.audit, done, ack_wait_s=self.cfg.bus.ack_wait_s)
+
     async def _write_plots(self) -> None:
         """reward.png and staleness.png in the run directory; a failure is logged, never fatal."""
         if not self.cfg.monitor.plots:
@@ -256,8 +273,39 @@ class Controller(Actor):
             groups_issued=self.state.issued,
             groups_outstanding=outstanding,
             workers={k: hb.version for k, hb in self.workers.items()},
+            **self.audit.summary(),
         )
         await self._write_plots()
         await self.bus.put_str(KEY_STATUS, "done")
         await self.bus.publish(self.bus.subjects.control, Control(command="stop", reason="run complete"))
         self.log.info("run_complete", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
+
+
+async def follow_weights_held(bus: Bus, audit: WeightAudit, done: asyncio.Event, *, ack_wait_s: float) -> None:
+    """Pull ``<run>.events.weights_held`` through the controller's durable consumer into ``audit``.
+
+    Anything that is not a ``weights_held`` message is dead-lettered (and acked); a report is acked
+    once the audit has seen it. Creating the consumer is idempotent, so a restarted controller
+    resumes where it stopped.
+    """
+    s = bus.subjects
+    config = ConsumerConfig(
+        durable_name=s.CONTROLLER_WEIGHTS_CONSUMER, filter_subject=s.weights_held, ack_wait=ack_wait_s
+    )
+    sub = await bus.js.pull_subscribe(
+        s.weights_held, durable=s.CONTROLLER_WEIGHTS_CONSUMER, stream=s.events_stream, config=config
+    )
+    try:
+        while not done.is_set():
+            try:
+                msgs = await sub.fetch(64, timeout=0.5)
+            except asyncio.TimeoutError:
+                continue
+            for m in msgs:
+                held = await bus.decode_or_dead_letter(m, WeightsHeld)  # acks what it dead-letters
+                if held is not None:
+                    audit.report(held)
+                    await m.ack()
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()

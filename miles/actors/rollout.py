@@ -20,9 +20,11 @@ from nats.aio.msg import Msg
 
 from miles.actors.base import Actor, keep_in_progress
 from miles.bus.dataplane import WeightStore
-from miles.bus.schema import Completion, Heartbeat, PromptGroup, Trajectory
+from miles.bus.schema import Completion, Heartbeat, PromptGroup, Trajectory, WeightsHeld
 from miles.engines.base import SamplingParams, StagingEngine
+from miles.sync.engine_weights import EngineWeights
 from miles.sync.follower import WeightFollower
+from miles.sync.lora import lora_scale
 from miles.sync.publisher import delta_keep_versions
 from miles.tasks.base import Sample, Task
 
@@ -67,7 +69,9 @@ class RolloutWorker(Actor):
 
         model_dir = await asyncio.to_thread(resolve_model_dir, self.cfg.model, self.cfg.task)
         seed = self.cfg.seed * 1_000_003 + zlib.crc32(self.actor_id.encode())  # distinct samples per worker
-        self.engine = await asyncio.to_thread(build_engine, self.cfg.rollout.engine, model_dir, 0, seed)
+        # Version -1: the engine generates nothing until it holds a published, verified version (even
+        # version 0 is fetched: the trainer's rollout-precision weights, not the float32 checkpoint).
+        self.engine = await asyncio.to_thread(build_engine, self.cfg.rollout.engine, model_dir, -1, seed)
         tokenizer = self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
         task = build_task(self.cfg.task)
         store = await WeightStore.create(
@@ -85,7 +89,8 @@ class RolloutWorker(Actor):
                 keep_versions=delta_keep_versions(self.cfg.sync.keep_versions, self.cfg.sync.anchor_every),
                 kind="delta",
             )
-        self.follower = WeightFollower(self.bus, store, self.engine, delta_store=delta_store)
+        self.engine, decoder = self._weight_path(self.engine, model_dir)
+        self.follower = WeightFollower(self.bus, store, self.engine, delta_store=delta_store, decoder=decoder)
         sampling = self.cfg.rollout.sampling
         params = SamplingParams(
             max_new_tokens=sampling.max_new_tokens,
@@ -97,10 +102,12 @@ class RolloutWorker(Actor):
             durable=self.bus.subjects.ROLLOUT_CONSUMER, stream=self.bus.subjects.prompts_stream
         )
         follower_task = asyncio.create_task(self.follower.run(self.stopping), name="rollout.weights")
+        report_task = asyncio.create_task(self._report_held_versions(), name="rollout.weights_held")
         try:
             while not self.stopping.is_set():
-                if follower_task.done():
-                    follower_task.result()  # re-raise: a dead follower must fail the worker loudly
+                for background in (follower_task, report_task):
+                    if background.done():
+                        background.result()  # re-raise: a dead follower or reporter must fail the worker loudly
                 try:
                     msgs = await sub.fetch(self.cfg.rollout.groups_per_batch, timeout=0.5)
                 except asyncio.TimeoutError:
@@ -108,9 +115,54 @@ class RolloutWorker(Actor):
                     continue
                 await self._process(msgs, task, params, lambda text: encode_prompt(tokenizer, text))
         finally:
-            follower_task.cancel()
-            await asyncio.gather(follower_task, return_exceptions=True)
+            for background in (follower_task, report_task):
+                background.cancel()
+            await asyncio.gather(follower_task, report_task, return_exceptions=True)
             await sub.unsubscribe()
+
+    def _weight_path(self, engine: Any, model_dir: Any) -> tuple[StagingEngine, EngineWeights]:
+        """The engine the follower stages into, and how published states become its weights.
+
+        The torch engine takes tensors: dequantized FP8/FP4, or in LoRA mode the adapted modules merged on
+        the frozen base. An SGLang server loads from disk: wrapped in :class:`SglangStagingEngine`, it
+        gets whole checkpoints, or in LoRA mode the adapter itself (a versioned /load_lora_adapter).
+        """
+        from miles.engines.sglang_engine import SglangEngine
+        from miles.engines.sglang_staging import SglangStagingEngine
+
+        lora = self.cfg.trainer.lora if self.cfg.sync.mode == "lora" else None
+        if isinstance(engine, SglangEngine):
+            engine_cfg = self.cfg.rollout.engine
+            weights_dir = getattr(engine_cfg, "adapter_dir", None) or self.run_dir / "weights" / self.actor_id
+            staging = SglangStagingEngine(engine, weights_dir, lora=lora, model_dir=model_dir)
+            return staging, EngineWeights(
+                dict, precision=self.cfg.sync.dtype, adapters="passthrough" if lora is not None else "merge"
+            )
+        return engine, EngineWeights(
+            engine.model.state_dict,
+            precision=self.cfg.sync.dtype,
+            lora_scale=None if lora is None else lora_scale(lora),
+        )
+
+    async def _report_held_versions(self) -> None:
+        """Tell the controller which version the engine adopted and the digest of its published state,
+        so that a worker running other weights than the trainer published is flagged (WeightsHeld)."""
+        reported = -1
+        while not self.stopping.is_set():
+            version = self.engine.version
+            held = self.follower.staged_versions.get(version)
+            if version != reported and held is not None:
+                report = WeightsHeld(
+                    worker_id=self.actor_id,
+                    version=version,
+                    state_digest=held.state_digest,
+                    mode=held.mode,
+                    fetch_bytes=held.fetch_bytes,
+                    pause_s=self.engine.last_pause_s,
+                )
+                await self.bus.publish(self.bus.subjects.weights_held, report)
+                reported = version
+            await asyncio.sleep(0.2)
 
     async def _process(
         self, msgs: list[Msg], task: Task, params: SamplingParams, encode: Callable[[str], list[int]]

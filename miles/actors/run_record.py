@@ -84,6 +84,10 @@ class RunRecord:
         self.evals[msg.policy_version] = msg.accuracy
 
     def write_summary(self, **fields: Any) -> dict[str, Any]:
+        """summary.json: the record's own figures plus ``fields`` from the controller (group accounting,
+        dead letters, worker versions, and the weight audit: ``weights_verified``, ``weights_mismatches``,
+        ``weights_unverifiable``, ``weights_pending``, ``weights_last_verified``, ``weights_recent_mismatches``).
+        The audit counters default to 0 so a reader can rely on them being present."""
         versions = sorted(self.evals)
         summary: dict[str, Any] = {
             "eval_before": self.evals.get(0),
@@ -96,6 +100,8 @@ class RunRecord:
             "samples_trained": self.samples_trained,
             "trajectories_dropped": self.dropped + self.requeued,
             "trajectories_requeued": self.requeued,
+            "weights_verified": 0,
+            "weights_mismatches": 0,
             **fields,
         }
         _atomic_write_json(self.summary_path, summary)

@@ -137,9 +137,21 @@ class TrainerLeader(Actor):
         return False
 
     async def _export(self) -> dict:
+        """The state to publish (and evaluate): the weights in rollout precision, or in LoRA mode only
+        the adapter. FP8/FP4 are quantized here, so workers run exactly these codes and scales."""
         import torch
 
-        return await self.ranks.call("export_weights", getattr(torch, self.cfg.sync.dtype))
+        from miles.sync.engine_weights import QUANTIZED
+
+        sync = self.cfg.sync
+        if sync.mode == "lora":
+            return await self.ranks.call("export_adapter", getattr(torch, sync.dtype))
+        if sync.dtype in QUANTIZED:
+            from miles.sync.precision import to_rollout_state
+
+            master = await self.ranks.call("export_weights", torch.float32)
+            return await asyncio.to_thread(to_rollout_state, master, sync.dtype)
+        return await self.ranks.call("export_weights", getattr(torch, sync.dtype))
 
     # ------------------------------------------------------------------ collecting
 

@@ -38,6 +38,7 @@ from miles.backends.base import StepResult, TrainSample
 from miles.backends.checkpoint_io import atomic_torch_save, load_torch
 from miles.backends.packing import PackedBatch, micro_batches, num_micro_batches, pack
 from miles.config import FsdpBackendConfig, TrainerConfig
+from miles.sync.lora import add_adapters, lora_scale, merged_state, split_peft_state
 
 log = structlog.get_logger(__name__)
 
@@ -105,6 +106,10 @@ class FsdpBackend:
         if self.algo.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).requires_grad_(False)
             self._place(self.ref_model)
+        self.lora_scale: float | None = None
+        if trainer_cfg.lora is not None:  # LoRA RL: only the adapters train, the base stays frozen in memory
+            model = add_adapters(model, trainer_cfg.lora)
+            self.lora_scale = lora_scale(trainer_cfg.lora)
         self.model: nn.Module = model
         self._place(self.model)
 
@@ -124,6 +129,7 @@ class FsdpBackend:
             sharded=self.sharded,
             device=str(self.device),
             params=sum(p.numel() for p in self.model.parameters()),
+            trainable=sum(p.numel() for p in self.model.parameters() if p.requires_grad),
             reference=self.ref_model is not None,
         )
 
@@ -267,12 +273,25 @@ class FsdpBackend:
     def export_weights(self, dtype: torch.dtype) -> dict[str, Tensor]:
         """Full weights with HF names, on CPU, cast to ``dtype``; rank 0 only (``{}`` elsewhere). Collective.
 
-        The tensors are copies: later training steps never change an exported payload.
+        The tensors are copies: later training steps never change an exported payload. With LoRA the
+        adapters are merged in (the policy as a plain HF model, e.g. for evaluation or full sync).
         """
         state = self._full_state(self.model)
         if self.rank != 0:
             return {}
+        if self.lora_scale is not None:
+            state = merged_state(state, self.lora_scale)
         return {name: t.detach().to(device="cpu", dtype=dtype, copy=True) for name, t in state.items()}
+
+    def export_adapter(self, dtype: torch.dtype) -> dict[str, Tensor]:
+        """The LoRA adapter tensors under peft's saved names, on CPU, cast to ``dtype``; rank 0 only. Collective."""
+        if self.lora_scale is None:
+            raise ValueError("export_adapter needs trainer.lora")
+        state = self._full_state(self.model)
+        if self.rank != 0:
+            return {}
+        adapter, _ = split_peft_state(state)
+        return {name: t.detach().to(device="cpu", dtype=dtype, copy=True) for name, t in adapter.items()}
 
     def save_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
         """Write model, optimizer, reference and ``extra`` durably to the single file ``path``. Collective.

@@ -131,8 +131,10 @@ class WeightsAnnounced(Message):
     digest: str = Field(description="xxh3-128 hex of the payload bytes; verified before apply.")
     size: int
     chunks: int
-    mode: Literal["full", "delta"] = Field(
-        "full", description="full: the whole weight set; delta: changes against base_version (docs/weight-sync.md)."
+    mode: Literal["full", "delta", "lora"] = Field(
+        "full",
+        description="full: the whole weight set; delta: changes against base_version; lora: only the LoRA adapter "
+        "tensors, applied on the frozen base every worker already holds (docs/weight-sync.md).",
     )
     base_version: int | None = Field(
         None, description="Delta mode: the version the delta applies to (None for a full payload)."
@@ -142,6 +144,14 @@ class WeightsAnnounced(Message):
     )
     dtype: str = "bfloat16"
     published_at: float = Field(default_factory=time.time)
+    state_digest: str = Field(
+        "",
+        description="miles.sync.precision.state_digest of the rollout-precision state this version stands for "
+        "(the adapter state in LoRA mode), whatever the mode; empty from producers that predate it.",
+    )
+    precision: str = Field(
+        "bfloat16", description="Rollout precision (sync.dtype): bfloat16, float32, fp8_e4m3 or fp4_e2m1."
+    )
 
     @model_validator(mode="after")
     def _check_mode(self) -> WeightsAnnounced:
@@ -153,6 +163,22 @@ class WeightsAnnounced(Message):
         elif self.base_version is not None or self.format != "safetensors":
             raise ValueError("a full announcement has no base_version and format 'safetensors'")
         return self
+
+
+class WeightsHeld(Message):
+    """A rollout worker's engine adopted a version. Subject ``<run>.events.weights_held``.
+
+    The controller compares ``state_digest`` with the announced one to catch a worker whose weights
+    differ from what the trainer published (a bad reconstruction, a lossy engine load).
+    """
+
+    KIND: ClassVar[str] = "weights_held"
+    worker_id: str
+    version: int
+    state_digest: str = Field(description="state_digest of the rollout-precision state the worker holds.")
+    mode: str = Field(description="How the worker got it: the announcement's mode (full, delta, ...).")
+    fetch_bytes: int = Field(0, description="Bytes downloaded to reach this version.")
+    pause_s: float = Field(0.0, description="Generation pause the switch cost, in seconds.")
 
 
 class Heartbeat(Message):
@@ -222,6 +248,7 @@ KINDS: dict[str, type[Message]] = {
         PromptGroup,
         Trajectory,
         WeightsAnnounced,
+        WeightsHeld,
         Heartbeat,
         GroupsDiscarded,
         Control,

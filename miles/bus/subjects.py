@@ -26,6 +26,11 @@ class Subjects:
         return f"{self.run}.events.weights"
 
     @property
+    def weights_held(self) -> str:
+        """Rollout workers' reports of the version (and its state digest) their engine adopted."""
+        return f"{self.run}.events.weights_held"
+
+    @property
     def discarded(self) -> str:
         return f"{self.run}.events.discarded"
 
@@ -83,6 +88,7 @@ class Subjects:
     TRAINER_CONSUMER: ClassVar[str] = "trainer"
     CONTROLLER_EVENTS_CONSUMER: ClassVar[str] = "controller-events"
     CONTROLLER_METRICS_CONSUMER: ClassVar[str] = "controller-metrics"
+    CONTROLLER_WEIGHTS_CONSUMER: ClassVar[str] = "controller-weights"
 
     # key-value bucket of run state
     @property

@@ -63,7 +63,7 @@ def _targeted(module: str, targets: list[str]) -> bool:
     return any(module == t or module.endswith("." + t) for t in targets)
 
 
-def _validate(adapter: Mapping[str, torch.Tensor], lora: LoraConfig) -> None:
+def validate_adapter(adapter: Mapping[str, torch.Tensor], lora: LoraConfig) -> None:
     if not adapter:
         raise ValueError("cannot save an empty LoRA adapter: no tensors given")
     bad = [k for k in adapter if not _KEY.match(k)]
@@ -114,7 +114,7 @@ def save_peft_adapter(
     """
     from safetensors.torch import save_file
 
-    _validate(adapter, lora)
+    validate_adapter(adapter, lora)
     target = Path(directory)
     target.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter.items()}

@@ -252,15 +252,16 @@ class TorchEngine:
                 )
         return targets
 
-    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int, *, complete: bool = True) -> None:
         """Copy a full HF state dict into the model in place (dtype/device converted), adopt ``version``.
 
         Everything is validated before anything is copied, so a bad payload leaves the old weights
         intact. Tied parameters (e.g. ``lm_head.weight`` sharing the embedding) may be given once.
+        ``complete=False`` loads only the given tensors (e.g. adapter-merged modules on a fixed base).
         Immediate and unconditional (any version, even an older one); waits for a running generation.
         A staged version not newer than ``version`` is dropped.
         """
-        targets = self._validate(state, "load_weights")
+        targets = self._validate(state, "load_weights", complete=complete)
         with self._lock, torch.no_grad():
             for key, tensor in state.items():
                 targets[key].copy_(tensor)

@@ -30,6 +30,9 @@ METRIC_NAMES = (
     "miles_dead_lettered",
     "miles_eval_accuracy",
 )
+# Served only once a controller heartbeat carrying the weight audit has arrived, so kept apart from
+# METRIC_NAMES (what any scrape of a running run shows).
+AUDIT_METRIC_NAMES = ("miles_weights_verified", "miles_weights_mismatches")
 
 
 class SnapshotCollector(Collector):
@@ -112,6 +115,17 @@ class SnapshotCollector(Collector):
             c.add_metric([run], float(value))
             yield c
         yield from gauge("miles_dead_lettered", "Messages in the run's DLQ stream.", snap["dead_lettered"])
+        weights = snap.get("weights") or {}
+        yield from gauge(
+            "miles_weights_verified",
+            "Worker weight reports whose state digest matched the trainer's announcement (controller audit).",
+            weights.get("verified"),
+        )
+        yield from gauge(
+            "miles_weights_mismatches",
+            "Worker weight reports whose state digest differs from the trainer's announcement (alert on > 0).",
+            weights.get("mismatches"),
+        )
         acc = GaugeMetricFamily(
             "miles_eval_accuracy", "Held-out accuracy per policy version.", labels=["run", "version"]
         )

@@ -165,6 +165,22 @@ class RunState:
         candidates.extend(view.heartbeat.version for view in self.workers.values())
         return max(candidates)
 
+    def _weights_audit(self) -> dict[str, int | None] | None:
+        """The controller's audit of held vs announced weights (None before its first heartbeat)."""
+        if self.controller is None:
+            return None
+        stats = self.controller.stats
+
+        def count(key: str) -> int | None:
+            return int(stats[key]) if key in stats else None  # None: a controller without the audit
+
+        return {
+            "verified": count("weights_verified"),
+            "mismatches": count("weights_mismatches"),
+            "unverifiable": count("weights_unverifiable"),
+            "pending": count("weights_pending"),
+        }
+
     def snapshot(self, now: float) -> dict[str, Any]:
         """Plain-data view of the run at ``now`` (unix s): the ``--json`` document."""
         v = self.trainer_version()
@@ -247,6 +263,7 @@ class RunState:
                 "issued": int(self.controller.stats.get("issued", 0)),
                 "discarded": int(self.controller.stats.get("discarded", 0)),
             },
+            "weights": self._weights_audit(),
             "dead_lettered": self.dead_lettered,
             "evals": {str(k): a for k, a in evals.items()},
             "eval_accuracy": evals[max(evals)] if evals else None,

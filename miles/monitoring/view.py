@@ -25,6 +25,9 @@ def _header(snap: dict[str, Any]) -> Text:
     text.append(f"  max staleness {snap['max_staleness']}  steps seen {snap['steps_seen']}")
     if step is not None:
         text.append(f"  last step {step['step']} ({_fmt(step['age_s'], '.0f')}s ago)")
+    weights = snap.get("weights")
+    if weights is not None and weights["mismatches"]:  # a worker rolls out with weights the trainer never published
+        text.append(f"  WEIGHT MISMATCH x{weights['mismatches']}", style="bold red")
     return text
 
 
@@ -78,7 +81,7 @@ def _flow(snap: dict[str, Any]) -> Table:
     table = Table(title="flow", title_justify="left", show_header=False, show_edge=False, box=None)
     table.add_column("what")
     table.add_column("value", justify="right")
-    rows = [
+    rows: list[tuple[str, str | Text]] = [
         ("prompts waiting (PROMPTS stream)", _fmt(q["prompts_waiting"])),
         ("trajectories waiting for the trainer", _fmt(q["trajectories_waiting"])),
         (f"rollout tokens/s ({r['window_s']:.0f}s window)", f"{r['rollout_tokens_per_s']:.0f}"),
@@ -91,6 +94,15 @@ def _flow(snap: dict[str, Any]) -> Table:
     if snap["controller"] is not None:
         rows.append(
             ("groups issued / discarded", f"{snap['controller']['issued']} / {snap['controller']['discarded']}")
+        )
+    weights = snap.get("weights")
+    if weights is not None:
+        bad = bool(weights["mismatches"])
+        rows.append(
+            (
+                "held weights verified / mismatched",
+                Text(f"{_fmt(weights['verified'])} / {_fmt(weights['mismatches'])}", style="bold red" if bad else ""),
+            )
         )
     for what, value in rows:
         table.add_row(what, value)

@@ -11,6 +11,10 @@ A worker several versions behind jumps straight to the newest version (the engin
 goes backwards either). A verified payload that does not fit the model (wrong keys or shapes) is
 a deployment error: it is raised from :meth:`wait_for` / :meth:`apply_staged`, failing the worker.
 
+LoRA mode: each announcement (``mode: lora``) carries the whole adapter, fetched like a full payload;
+:class:`~miles.sync.engine_weights.EngineWeights` merges it onto the frozen base and the engine takes
+the adapted modules only (a partial update).
+
 Delta mode (docs/weight-sync.md). The follower keeps the rollout-precision state it last staged (CPU,
 the exact bits of the payload: the engine may compute in float32, the base is the bf16 state, not
 the model). On a ``mode: delta`` announcement whose ``base_version`` is that state's version it
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 import structlog
 import torch
@@ -38,20 +43,39 @@ from miles.bus.errors import BusError, ChecksumMismatch, PayloadMissing
 from miles.bus.schema import WeightsAnnounced
 from miles.engines.base import StagingEngine
 from miles.sync.delta import DeltaError, apply_state_delta
+from miles.sync.engine_weights import EngineWeights
 from miles.sync.payload import deserialize_state
+from miles.sync.precision import state_digest
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class HeldVersion:
+    """A staged version as fetched: the digest of its published state, the announcement's mode, bytes."""
+
+    state_digest: str
+    mode: str
+    fetch_bytes: int
 
 
 class WeightFollower:
     """Tracks the newest announced version and stages verified weights in the engine."""
 
     def __init__(
-        self, bus: Bus, store: WeightStore, engine: StagingEngine, *, delta_store: WeightStore | None = None
+        self,
+        bus: Bus,
+        store: WeightStore,
+        engine: StagingEngine,
+        *,
+        delta_store: WeightStore | None = None,
+        decoder: EngineWeights | None = None,
     ) -> None:
         self.bus = bus
         self.store = store
         self.engine = engine
+        # Published state -> engine weights (dequantize FP8/FP4, merge a LoRA adapter onto the frozen base).
+        self.decoder = decoder or EngineWeights(dict)
         # Delta key space: given in delta mode; a reader is made on the first delta announcement otherwise.
         self.delta_store = delta_store
         self._keep_base = delta_store is not None
@@ -65,6 +89,8 @@ class WeightFollower:
         self._changed = asyncio.Condition()
         self._error: ValueError | None = None
         self.checksum_failures = 0
+        # Versions staged from a fetch: what the worker reports once its engine adopts one (WeightsHeld).
+        self.staged_versions: dict[int, HeldVersion] = {}
         self.last_fetch_s = 0.0
         self.retry_s = 2.0
 
@@ -129,11 +155,14 @@ class WeightFollower:
             self.last_fetch_bytes = self._bytes
             self.fetches += 1
             try:
-                staged = self.engine.stage_weights(state, version)  # validates; ignored if not newer
+                update, complete, digest = await asyncio.to_thread(self._decode, state)
+                staged = self.engine.stage_weights(update, version, complete=complete)  # validates; False if not newer
             except ValueError as exc:
                 log.error("weights_rejected", version=version, error=str(exc))
                 self._error = exc
             else:
+                if staged:
+                    self._remember(version, HeldVersion(digest, ann.mode, self._bytes))
                 if staged and self._keep_base:
                     self._base = (version, state)
             async with self._changed:
@@ -142,6 +171,16 @@ class WeightFollower:
                 return
             if version < ann.version:  # caught up part of the way only (a broken delta chain)
                 await asyncio.sleep(self.retry_s)
+
+    def _decode(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], bool, str]:
+        """Engine weights for a published state, and the digest of the published state (worker thread)."""
+        update, complete = self.decoder.decode(state)
+        return update, complete, state_digest(state)
+
+    def _remember(self, version: int, held: HeldVersion) -> None:
+        self.staged_versions[version] = held
+        while len(self.staged_versions) > 16:  # the engine adopts staged versions quickly; keep a few
+            del self.staged_versions[min(self.staged_versions)]
 
     def _wants_fetch(self) -> bool:
         ann = self.latest

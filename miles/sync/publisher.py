@@ -23,27 +23,45 @@ from miles.bus.dataplane import WeightStore
 from miles.bus.schema import WeightsAnnounced
 from miles.sync.delta import encode_state_delta
 from miles.sync.payload import serialize_state
+from miles.sync.precision import state_digest
 
 log = structlog.get_logger(__name__)
 
 
 async def publish_weights(
-    bus: Bus, store: WeightStore, state: dict[str, torch.Tensor], version: int, dtype: str
+    bus: Bus,
+    store: WeightStore,
+    state: dict[str, torch.Tensor],
+    version: int,
+    dtype: str,
+    mode: Literal["full", "lora"] = "full",
 ) -> WeightsAnnounced:
-    """Upload ``state`` as ``version`` and announce it; returns the announcement.
+    """Upload ``state`` (a whole weight set, or a LoRA adapter for ``mode="lora"``) as ``version`` and
+    announce it; returns the announcement.
 
     The announcement goes out only after every chunk is stored, so a worker that sees it can
     always fetch the payload (until it is purged, which falls back to the newest version).
     """
-    payload = await asyncio.to_thread(serialize_state, state, version)
+    payload, digest = await asyncio.to_thread(_serialize_with_digest, state, version)
     info = await store.put(version, payload)
     announcement = WeightsAnnounced(
-        version=version, digest=info.digest, size=info.size, chunks=info.chunks, dtype=dtype
+        version=version,
+        digest=info.digest,
+        size=info.size,
+        chunks=info.chunks,
+        dtype=dtype,
+        precision=dtype,
+        mode=mode,
+        state_digest=digest,
     )
     await bus.publish(bus.subjects.weights, announcement)
     await bus.put_int(KEY_TRAINER_VERSION, version)
-    log.info("weights_published", version=version, bytes=info.size, chunks=info.chunks)
+    log.info("weights_published", version=version, mode=mode, bytes=info.size, chunks=info.chunks)
     return announcement
+
+
+def _serialize_with_digest(state: dict[str, torch.Tensor], version: int) -> tuple[bytes, str]:
+    return serialize_state(state, version), state_digest(state)
 
 
 def delta_keep_versions(keep_versions: int, anchor_every: int) -> int:
@@ -52,7 +70,9 @@ def delta_keep_versions(keep_versions: int, anchor_every: int) -> int:
 
 
 class WeightPublisher:
-    """Publishes successive versions in ``full`` or ``delta`` mode (one instance per trainer leader)."""
+    """Publishes successive versions in ``full``, ``delta`` or ``lora`` mode (one instance per trainer
+    leader). ``lora`` publishes each version's adapter whole, like ``full`` (adapters are small and all
+    of their values move every step: a delta would not pay)."""
 
     def __init__(
         self,
@@ -60,7 +80,7 @@ class WeightPublisher:
         store: WeightStore,
         dtype: str,
         *,
-        mode: Literal["full", "delta"] = "full",
+        mode: Literal["full", "delta", "lora"] = "full",
         delta_store: WeightStore | None = None,
         anchor_every: int = 10,
         level: int = 1,
@@ -96,8 +116,8 @@ class WeightPublisher:
 
     async def publish(self, state: dict[str, torch.Tensor], version: int) -> WeightsAnnounced:
         """Publish ``version`` (full, a delta, or a full anchor) and announce it."""
-        if self.mode == "full":
-            ann = await publish_weights(self.bus, self.store, state, version, self.dtype)
+        if self.mode != "delta":
+            ann = await publish_weights(self.bus, self.store, state, version, self.dtype, self.mode)
             self.last_bytes = ann.size
             return ann
         state = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
@@ -130,6 +150,8 @@ class WeightPublisher:
                 base_version=self._prev[0],
                 format="miles-delta",
                 dtype=self.dtype,
+                precision=self.dtype,
+                state_digest=await asyncio.to_thread(state_digest, state),
             )
             await self.bus.publish(self.bus.subjects.weights, ann)
             await self.bus.put_int(KEY_TRAINER_VERSION, version)

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from miles.backends.base import TrainSample
 from miles.backends.distributed import distributed, find_free_port
 from miles.backends.fsdp import FsdpBackend
-from miles.config import AlgoConfig, FsdpBackendConfig, TrainerConfig
+from miles.config import AlgoConfig, FsdpBackendConfig, LoraConfig, TrainerConfig
 
 PAD = 0
 VOCAB = 20
@@ -35,7 +35,9 @@ def tiny_model(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg)
 
 
-def trainer_cfg(micro_batch_size: int | None = None, lr: float = 1e-3, **algo: Any) -> TrainerConfig:
+def trainer_cfg(
+    micro_batch_size: int | None = None, lr: float = 1e-3, lora: LoraConfig | None = None, **algo: Any
+) -> TrainerConfig:
     """lr is small by default: Adam's first step maps a gradient g to ~lr * g / (|g| + eps), which
     amplifies float-rounding differences of near-zero gradients, and the equivalence tests compare
     updated weights to 1e-5."""
@@ -43,7 +45,11 @@ def trainer_cfg(micro_batch_size: int | None = None, lr: float = 1e-3, **algo: A
         lr=lr,
         algo=AlgoConfig(**algo),
         backend=FsdpBackendConfig(threads=1, micro_batch_size=micro_batch_size),
+        lora=lora,
     )
+
+
+LORA = LoraConfig(rank=2, alpha=4.0, target_modules=["q_proj", "v_proj", "down_proj"])
 
 
 def global_batch(step: int) -> list[TrainSample]:
@@ -219,6 +225,11 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
                 "logprobs": backend.logprobs(shard(global_batch(0), rank)),
             }
 
+        lora = FsdpBackend(tiny_model(), PAD, trainer_cfg(micro_batch_size=2, lr=1e-2, lora=LORA), rank, world_size)
+        for step in range(STEPS):
+            lora.train_step(shard(global_batch(step), rank))
+        results["lora"] = {"adapter": lora.export_adapter(torch.float32), "weights": weights(lora)}
+
         # Resume: save after STEPS, take one more step, then restore into a fresh differently-initialised backend.
         backend = backends["token_kl"]
         cfg = trainer_cfg(micro_batch_size=2, **ALGOS["token_kl"])
@@ -265,6 +276,48 @@ def test_two_ranks_match_one_rank(two_rank_results: list[dict[str, Any]], algo: 
     single_logprobs = single.logprobs(global_batch(0))
     for got, want in zip(rank0["logprobs"] + rank1["logprobs"], single_logprobs, strict=True):
         assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_two_rank_lora_matches_one_rank(two_rank_results: list[dict[str, Any]]) -> None:
+    single = FsdpBackend(tiny_model(), PAD, trainer_cfg(lr=1e-2, lora=LORA), 0, 1)
+    for step in range(STEPS):
+        single.train_step(global_batch(step))
+    rank0, rank1 = two_rank_results[0]["lora"], two_rank_results[1]["lora"]
+    assert rank1["adapter"] == {} and rank1["weights"] == {}
+    expected = single.export_adapter(torch.float32)
+    assert sorted(rank0["adapter"]) == sorted(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(rank0["adapter"][name], value, rtol=0, atol=1e-5, msg=name)
+    for name, value in weights(single).items():
+        torch.testing.assert_close(rank0["weights"][name], value, rtol=0, atol=1e-5, msg=name)
+
+
+def test_lora_trains_only_the_adapter_and_exports_it_merged() -> None:
+    base = weights(FsdpBackend(tiny_model(), PAD, trainer_cfg(), 0, 1))
+    backend = FsdpBackend(tiny_model(), PAD, trainer_cfg(lr=1e-2, lora=LORA), 0, 1)
+    adapter0 = backend.export_adapter(torch.float32)
+    assert len(adapter0) == 2 * 3 * 2  # A and B, three modules, two layers
+    assert all(name.startswith("base_model.model.model.layers.") for name in adapter0)
+    assert all(torch.count_nonzero(t) == 0 for n, t in adapter0.items() if ".lora_B." in n)  # B = 0: no change yet
+    for _ in range(3):
+        backend.train_step(global_batch(0))
+    adapter = backend.export_adapter(torch.float32)
+    assert any(not torch.equal(adapter[n], adapter0[n]) for n in adapter)
+    merged = weights(backend)
+    assert list(merged) == list(base)  # plain HF names, nothing from peft
+    adapted = {n for n in merged if n.endswith(("q_proj.weight", "v_proj.weight", "down_proj.weight"))}
+    assert len(adapted) == 6
+    for name, value in base.items():
+        if name in adapted:
+            module = name.removesuffix(".weight")
+            a = adapter[f"base_model.model.{module}.lora_A.weight"]
+            b = adapter[f"base_model.model.{module}.lora_B.weight"]
+            torch.testing.assert_close(merged[name], value + (LORA.alpha / LORA.rank) * b @ a)
+            assert not torch.equal(merged[name], value)
+        else:
+            assert torch.equal(merged[name], value), name  # frozen: bit-identical to the base
+    with pytest.raises(ValueError, match="needs trainer.lora"):
+        FsdpBackend(tiny_model(), PAD, trainer_cfg(), 0, 1).export_adapter(torch.float32)
 
 
 def test_two_rank_resume_is_bit_identical(two_rank_results: list[dict[str, Any]]) -> None:

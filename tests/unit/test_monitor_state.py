@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 
 from miles.bus.schema import EvalResult, Heartbeat, StepMetrics, TrainerDone
-from miles.monitoring.prom import METRIC_NAMES, PrometheusExporter
+from miles.monitoring.prom import AUDIT_METRIC_NAMES, METRIC_NAMES, PrometheusExporter
 from miles.monitoring.state import CounterRate, RunState, sparkline
 from miles.monitoring.view import render
 
@@ -153,3 +153,42 @@ def test_prometheus_collector(state: RunState) -> None:
     assert 'miles_staleness_count{run="demo"} 3.0' in text
     assert 'miles_trajectories_requeued_total{run="demo"} 7.0' in text
     assert 'miles_prompts_waiting{run="demo"} 3.0' in text
+
+
+def test_weight_audit_from_controller_heartbeat(state: RunState) -> None:
+    """The controller's audit counters reach the snapshot, the view (a mismatch in red) and Prometheus."""
+    from prometheus_client import generate_latest
+
+    assert RunState(run="x", max_staleness=1).snapshot(T0)["weights"] is None  # no controller yet
+    old = RunState(run="x", max_staleness=1)
+    old.on_heartbeat(_hb("controller", "controller", 0, T0, issued=1))  # a controller without the audit
+    assert old.snapshot(T0)["weights"] == {"verified": None, "mismatches": None, "unverifiable": None, "pending": None}
+
+    stats = {"issued": 40.0, "weights_verified": 12.0, "weights_mismatches": 0.0, "weights_unverifiable": 1.0}
+    state.on_heartbeat(_hb("controller", "controller", 5, T0 + 1, weights_pending=2.0, **stats))
+    snap = state.snapshot(T0 + 1)
+    assert snap["weights"] == {"verified": 12, "mismatches": 0, "unverifiable": 1, "pending": 2}
+    console = Console(width=140, record=True)
+    console.print(render(snap))
+    text = console.export_text()
+    assert "held weights verified / mismatched" in text and "12 / 0" in text
+    assert "WEIGHT MISMATCH" not in text
+
+    state.on_heartbeat(
+        _hb("controller", "controller", 5, T0 + 2, weights_pending=0.0, **{**stats, "weights_mismatches": 3.0})
+    )
+    snap = state.snapshot(T0 + 2)
+    assert snap["weights"]["mismatches"] == 3
+    console = Console(width=140, record=True)
+    console.print(render(snap))
+    assert "WEIGHT MISMATCH x3" in console.export_text()
+
+    exporter = PrometheusExporter()
+    exporter.update(snap)
+    text = generate_latest(exporter.registry).decode()
+    assert 'miles_weights_verified{run="demo"} 12.0' in text
+    assert 'miles_weights_mismatches{run="demo"} 3.0' in text
+    for name in AUDIT_METRIC_NAMES:
+        assert name in text
+    exporter.update(RunState(run="x", max_staleness=1).snapshot(T0))  # no controller: no audit gauges
+    assert "miles_weights" not in generate_latest(exporter.registry).decode()

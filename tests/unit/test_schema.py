@@ -7,10 +7,13 @@ from miles.bus.schema import (
     PromptGroup,
     SchemaError,
     Trajectory,
+    WeightsAnnounced,
+    WeightsHeld,
     decode,
     decode_any,
     encode,
 )
+from miles.bus.subjects import Subjects
 
 
 def _traj() -> Trajectory:
@@ -104,3 +107,29 @@ def test_malformed_version_spans_are_rejected(spans: list[list[int]]) -> None:
     body["completions"][0]["version_spans"] = spans
     with pytest.raises(SchemaError, match="version_spans"):
         decode(msgpack.packb(body), Trajectory)
+
+
+def test_weights_held_round_trip_and_subject() -> None:
+    held = WeightsHeld(worker_id="rollout-0", version=4, state_digest="ab" * 16, mode="delta", fetch_bytes=123)
+    assert decode(encode(held), WeightsHeld) == held
+    body = msgpack.unpackb(encode(held))
+    assert body["kind"] == "weights_held" and body["schema"] == SCHEMA_VERSION
+    assert body["pause_s"] == 0.0
+    del body["fetch_bytes"], body["pause_s"]  # optional on the wire
+    assert decode(msgpack.packb(body), WeightsHeld) == held.model_copy(update={"fetch_bytes": 0})
+    del body["state_digest"]
+    with pytest.raises(SchemaError, match="weights_held: state_digest"):
+        decode(msgpack.packb(body), WeightsHeld)
+    subjects = Subjects("r1")
+    assert subjects.weights_held == "r1.events.weights_held"
+    # Inside the EVENTS stream, and not caught by the announcement subject.
+    assert subjects.weights_held.startswith("r1.events.") and subjects.weights_held != subjects.weights
+
+
+def test_weights_announced_digest_and_precision_are_additive() -> None:
+    ann = WeightsAnnounced(version=2, digest="p", size=10, chunks=1, state_digest="s" * 32, precision="fp4_e2m1")
+    assert decode(encode(ann), WeightsAnnounced) == ann
+    body = msgpack.unpackb(encode(ann))
+    del body["state_digest"], body["precision"]  # a producer from before these fields
+    old = decode(msgpack.packb(body), WeightsAnnounced)
+    assert old.state_digest == "" and old.precision == "bfloat16" and old.version == 2

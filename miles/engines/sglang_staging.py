@@ -1,0 +1,307 @@
+"""A :class:`~miles.engines.base.StagingEngine` over an SGLang server, so rollout workers can follow
+weight announcements (:class:`~miles.sync.follower.WeightFollower`) with SGLang as their engine.
+
+SGLang takes new weights from storage it can read, not from our memory: a full checkpoint directory
+(``/update_weights_from_disk``) or a peft adapter directory (``/load_lora_adapter``). Writing that to disk
+and waiting for the server to load it takes seconds, so :meth:`SglangStagingEngine.stage_weights` (called on
+the asyncio event-loop thread) only parks the weights; one background thread writes the newest parked
+version to ``weights_dir/v<version>`` and asks the server to load it, then picks up whatever was staged
+meanwhile (newest wins: intermediate versions are skipped, never loaded out of order).
+
+Two modes:
+
+* **LoRA** (``lora`` given): every state is a whole LoRA adapter under peft's saved-state names
+  (``base_model.model.<module>.lora_A.weight`` ...), written with
+  :func:`~miles.engines.adapter_files.save_peft_adapter` and loaded as a versioned adapter
+  (:meth:`~miles.engines.sglang_engine.SglangEngine.load_adapter`); from then on every ``generate``
+  names it. The server merges nothing into its base, so the rollout worker must hand the *adapter*
+  through: its follower's decoder is the identity (``decode(state) -> (dict(state), False)``), not
+  :class:`~miles.sync.engine_weights.EngineWeights` with ``lora_scale`` (that one returns merged weights,
+  which only an in-process engine can use).
+* **full**: every state is a complete HF state dict in rollout precision, written as one
+  ``model.safetensors`` and reloaded with :meth:`~miles.engines.sglang_engine.SglangEngine.load_weights`
+  (``model_path`` = the version's directory). SGLang reloads a whole checkpoint directory, which needs the
+  model's ``config.json`` (and tokenizer files) next to the weights: give ``model_dir`` (the served
+  checkpoint) and its non-weight files are copied into each version's directory; without it the caller
+  must put them there. Deltas (:class:`~miles.engines.base.SparseValues`, ``complete=False``) are refused:
+  reconstruct the full state first (the follower does so in delta mode).
+
+``weights_dir`` must be readable by the server at the same path (a local or shared filesystem) and
+should be per run. The 3 newest version directories are kept (and the adopted one); older ones are deleted
+once the server has loaded from a newer one. A failed write or load is logged and kept in
+:attr:`SglangStagingEngine.last_error`; the version is not adopted, and the next :meth:`stage_weights`
+(of that version again, or a newer one) tries again.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import structlog
+
+from miles.config import LoraConfig
+from miles.engines.adapter_files import save_peft_adapter, validate_adapter
+from miles.engines.base import Generation, SamplingParams, SparseValues
+from miles.engines.sglang_engine import SglangEngine
+
+if TYPE_CHECKING:
+    import torch
+
+log = structlog.get_logger(__name__)
+
+WEIGHTS_FILE = "model.safetensors"
+KEEP_DIRS = 3  # version directories kept on disk (plus the adopted one)
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+# Files of a checkpoint directory that are weights (ours replace them), not config or tokenizer.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
+
+
+class SglangStagingEngine:
+    """Stages weights for a :class:`SglangEngine` and loads them into its server in the background.
+
+    :meth:`stage_weights` never blocks on HTTP or disk (thread-safe; meant for the event-loop thread). A
+    single daemon thread writes the newest staged version and loads it; :attr:`version` is the version the
+    server adopted last, :attr:`pending_version` the one staged or being loaded. :meth:`apply_pending` only
+    reports (True once per adoption): the switch happens in the server as soon as its load call returns.
+    ``switches`` counts adoptions and ``last_pause_s`` is the duration of the latest load call, during
+    which the server pauses (full mode: flushes its cache and reloads; LoRA mode: loads the adapter).
+    """
+
+    def __init__(
+        self,
+        engine: SglangEngine,
+        weights_dir: str | Path,
+        *,
+        lora: LoraConfig | None = None,
+        model_dir: str | Path | None = None,
+        base_model: str = "",
+    ) -> None:
+        self.engine = engine
+        self.weights_dir = Path(weights_dir).resolve()  # an absolute path: the server resolves it, not us
+        self.lora = lora
+        self.model_dir = None if model_dir is None else Path(model_dir)
+        self.base_model = base_model  # LoRA: base_model_name_or_path in adapter_config.json
+        self._cond = threading.Condition()  # guards the fields below; never held across disk or HTTP
+        self._staged: tuple[int, dict[str, torch.Tensor]] | None = None  # newest version waiting for the thread
+        self._loading: int | None = None  # version the thread is writing/loading
+        self._worker: threading.Thread | None = None
+        self._adopted = False  # a version was adopted since the last apply_pending
+        self.switches = 0
+        self.last_pause_s = 0.0
+        self.pauses_s: list[float] = []  # one per adopted version (bounded: the most recent 1000)
+        self.last_write_s = 0.0  # time writing the latest version to disk
+        self.last_error: Exception | None = None  # the latest failed write/load; None once one succeeds
+        self.failures = 0
+
+    # ------------------------------------------------------------------ Engine
+
+    @property
+    def version(self) -> int:
+        """Version the server adopted last (the engine's)."""
+        return self.engine.version
+
+    @property
+    def pending_version(self) -> int | None:
+        """Version staged or being loaded, not yet adopted; None if none."""
+        with self._cond:
+            if self._staged is not None:
+                return self._staged[0]
+            return self._loading
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """Delegates to the SglangEngine (in LoRA mode its requests name the newest loaded adapter)."""
+        return self.engine.generate(prompts, params)
+
+    def load_weights(
+        self, state: Mapping[str, torch.Tensor] | None, version: int, model_path: str | None = None
+    ) -> None:
+        """Delegates to :meth:`SglangEngine.load_weights` (blocking; ``model_path`` must hold the checkpoint)."""
+        self.engine.load_weights(state, version, model_path=model_path)
+
+    # ------------------------------------------------------------------ staging
+
+    def stage_weights(
+        self,
+        state: Mapping[str, torch.Tensor | SparseValues],
+        version: int,
+        *,
+        base_version: int | None = None,
+        complete: bool = True,
+    ) -> bool:
+        """Park ``state`` as ``version`` for the background loader; False if not newer than the version
+        adopted, being loaded or already staged (a newer stage replaces an older one not yet taken).
+
+        Never blocks on disk or HTTP. Raises ``ValueError`` (nothing staged) for :class:`SparseValues`, for
+        ``complete=False`` in full mode (SGLang reloads whole checkpoints: reconstruct a delta first) and,
+        in LoRA mode, for a state that is not a peft LoRA adapter of ``lora``'s rank and target modules.
+        ``base_version`` is ignored: what is staged is whole (a full state, or a whole adapter). The caller
+        must not mutate the tensors afterwards.
+        """
+        del base_version  # a full state or a whole adapter does not depend on what the server holds
+        sparse = [k for k, v in state.items() if isinstance(v, SparseValues)]
+        if sparse:
+            raise ValueError(
+                f"stage_weights: SGLang loads whole tensors from disk; {len(sparse)} sparse update(s) "
+                f"(e.g. {sparse[0]!r}): reconstruct the full state first"
+            )
+        if not state:
+            raise ValueError("stage_weights: empty state")
+        tensors: dict[str, torch.Tensor] = dict(state)  # type: ignore[arg-type]  # no SparseValues left
+        if self.lora is not None:
+            validate_adapter(tensors, self.lora)
+        elif not complete:
+            raise ValueError(
+                "stage_weights: SGLang reloads whole checkpoints; a partial update (complete=False) must be "
+                "reconstructed into a complete state first"
+            )
+        version = int(version)
+        with self._cond:
+            if version <= self._newest_locked():
+                return False
+            self._staged = (version, tensors)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._run, name="sglang-staging", daemon=True)
+                self._worker.start()
+        return True
+
+    def _newest_locked(self) -> int:
+        return max(
+            self.engine.version,
+            -1 if self._staged is None else self._staged[0],
+            -1 if self._loading is None else self._loading,
+        )
+
+    def apply_pending(self) -> bool:
+        """True if a version was adopted since the last call (never blocks: the loader switches the server)."""
+        with self._cond:
+            adopted, self._adopted = self._adopted, False
+        return adopted
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Block until nothing is staged or loading; False on timeout. (Tests, shutdown: not the event loop.)"""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._worker is None, timeout=timeout_s)
+
+    # ------------------------------------------------------------------ the loader thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                staged, self._staged = self._staged, None
+                if staged is None:
+                    self._worker = None
+                    self._cond.notify_all()
+                    return
+                version, tensors = staged
+                if version <= self.engine.version:  # e.g. load_weights jumped past it meanwhile
+                    continue
+                self._loading = version
+            try:
+                self._load(version, tensors)
+            except Exception as exc:  # any failure: record it, keep the old version, go on
+                with self._cond:
+                    self.failures += 1
+                    self.last_error = exc
+                log.error("sglang_weights_load_failed", version=version, error=f"{type(exc).__name__}: {exc}")
+            finally:
+                with self._cond:
+                    self._loading = None
+                    self._cond.notify_all()
+                del tensors
+            try:
+                self._prune()
+            except OSError as exc:
+                log.warning("sglang_weights_prune_failed", error=str(exc))
+
+    def _load(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        path = self.weights_dir / f"v{version}"
+        start = time.perf_counter()
+        if self.lora is not None:
+            save_peft_adapter(tensors, self.lora, path, base_model=self.base_model)
+        else:
+            self._write_checkpoint(tensors, path)
+        write_s = time.perf_counter() - start
+        start = time.perf_counter()
+        if self.lora is not None:
+            self.engine.load_adapter(str(path), version)
+        else:
+            self.engine.load_weights(None, version, model_path=str(path))
+        pause = time.perf_counter() - start
+        with self._cond:
+            self.last_write_s = write_s
+            self.last_pause_s = pause
+            self.pauses_s = [*self.pauses_s[-999:], pause]
+            self.switches += 1
+            self.last_error = None
+            self._adopted = True
+        log.info(
+            "weights_applied",
+            version=version,
+            pause_ms=round(pause * 1e3, 2),
+            write_ms=round(write_s * 1e3, 2),
+            mode="lora" if self.lora is not None else "full",
+            path=str(path),
+        )
+
+    def _write_checkpoint(self, tensors: dict[str, torch.Tensor], path: Path) -> None:
+        """``model.safetensors`` (+ ``model_dir``'s config and tokenizer files) into ``path``, atomically."""
+        from safetensors.torch import save_file
+
+        seen: set[tuple[int, int]] = set()
+        cpu: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors.items():
+            t = tensor.detach().to("cpu").contiguous()
+            key = (t.untyped_storage().data_ptr(), t.storage_offset())
+            if t.numel() and key in seen:
+                t = t.clone()  # tied weights: safetensors refuses tensors sharing memory
+            seen.add(key)
+            cpu[name] = t
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+        old: Path | None = None
+        tmp.mkdir()
+        try:
+            if self.model_dir is not None:
+                for src in sorted(self.model_dir.iterdir()):
+                    if src.is_file() and not src.name.endswith(_WEIGHT_SUFFIXES):
+                        shutil.copy2(src, tmp / src.name)
+            save_file(cpu, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+            fd = os.open(tmp / WEIGHTS_FILE, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if path.exists():
+                old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+                os.replace(path, old)
+            os.replace(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if old is not None and not path.exists():
+                os.replace(old, path)
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _prune(self) -> None:
+        """Delete version directories beyond the KEEP_DIRS newest, except the adopted version's."""
+        if not self.weights_dir.is_dir():
+            return
+        found = []
+        for entry in self.weights_dir.iterdir():
+            m = _VERSION_DIR.match(entry.name)
+            if m and entry.is_dir():
+                found.append((int(m[1]), entry))
+        found.sort(reverse=True)
+        adopted = self.engine.version
+        for v, entry in found[KEEP_DIRS:]:
+            if v != adopted:
+                shutil.rmtree(entry, ignore_errors=True)
