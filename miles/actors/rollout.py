@@ -56,6 +56,7 @@ class RolloutWorker(Actor):
                 "last_pause_ms": self.follower.last_pause_s * 1e3,
                 "last_fetch_ms": self.follower.last_fetch_s * 1e3,
                 "delta_fallbacks": float(self.follower.delta_fallbacks),
+                "sparse_stages": float(self.follower.sparse_stages),
                 "last_fetch_bytes": float(self.follower.last_fetch_bytes),
                 "fetched_bytes": float(self.follower.fetched_bytes),
                 "fetches": float(self.follower.fetches),

@@ -4,7 +4,9 @@ The trainer publishes weights in rollout precision (``sync.dtype``), or only the
 (``sync.mode: lora``). Rollout workers and the trainer's evaluator turn such a state into engine
 weights the same way, here, so the evaluated policy is exactly the one the workers run:
 
-* plain precisions (bf16, fp32): the state itself, a complete model state;
+* plain precisions (bf16, fp32): the state itself, a complete model state; after a delta, only the
+  changed elements (:meth:`EngineWeights.decode_changes`), so the generation pause is proportional to
+  the change, not to the model;
 * FP8 / FP4: dequantized (:func:`miles.sync.precision.from_rollout_state`), a complete model state;
 * LoRA: the adapted modules' merged weights on the frozen base (:class:`miles.sync.lora.AdapterApplier`),
   a *partial* update: every other tensor is the base the engine already holds.
@@ -17,6 +19,7 @@ from typing import Literal
 
 import torch
 
+from miles.engines.base import SparseValues
 from miles.sync.lora import AdapterApplier
 
 QUANTIZED = ("fp8_e4m3", "fp4_e2m1")
@@ -52,3 +55,17 @@ class EngineWeights:
 
             return from_rollout_state(dict(published), torch.float32), True
         return dict(published), True
+
+    def decode_changes(
+        self, published: Mapping[str, torch.Tensor], changes: Mapping[str, torch.Tensor]
+    ) -> dict[str, SparseValues] | None:
+        """A sparse update for a state that differs from the previous one only at ``changes`` (flat positions
+        per tensor, from the delta decoder), or None where that cannot be expressed so (quantized codes
+        dequantize through their scales; an adapter replaces whole modules): stage the full decode then."""
+        if self.adapters is not None or self.passthrough or self.precision in QUANTIZED:
+            return None
+        return {
+            name: SparseValues(index, published[name].reshape(-1)[index])
+            for name, index in changes.items()
+            if index.numel()
+        }

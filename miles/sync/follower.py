@@ -80,7 +80,13 @@ class WeightFollower:
         self.delta_store = delta_store
         self._keep_base = delta_store is not None
         self._base: tuple[int, dict[str, torch.Tensor]] | None = None  # last staged version and its exact bits
+        # (version, base version, changed positions per tensor) of a delta just applied on the fast path
+        self._sparse: tuple[int, int, dict[str, torch.Tensor]] | None = None
+        # Newest version this follower staged in the engine: a sparse update needs the engine's weights to
+        # be exactly a state we staged (not, e.g., the checkpoint it started from at the same version).
+        self._last_staged: int | None = None
         self.delta_fallbacks = 0
+        self.sparse_stages = 0  # delta versions staged as changed elements only
         self.last_fetch_bytes = 0  # bytes downloaded for the latest staged version
         self.fetched_bytes = 0  # all bytes downloaded
         self.fetches = 0  # versions staged from a fetch
@@ -154,14 +160,25 @@ class WeightFollower:
             self.last_fetch_s = time.perf_counter() - start
             self.last_fetch_bytes = self._bytes
             self.fetches += 1
+            sparse, self._sparse = self._sparse, None
             try:
                 update, complete, digest = await asyncio.to_thread(self._decode, state)
-                staged = self.engine.stage_weights(update, version, complete=complete)  # validates; False if not newer
+                staged = False
+                if sparse is not None and sparse[0] == version and sparse[1] == self._last_staged:
+                    # Delta fast path: only the changed elements are written during the pause, if the
+                    # engine will be exactly at the delta's base when it applies (else the whole state).
+                    changed = await asyncio.to_thread(self.decoder.decode_changes, state, sparse[2])
+                    if changed is not None:
+                        staged = self.engine.stage_weights(changed, version, base_version=sparse[1], complete=False)
+                        self.sparse_stages += int(staged)
+                if not staged:
+                    staged = self.engine.stage_weights(update, version, complete=complete)  # False if not newer
             except ValueError as exc:
                 log.error("weights_rejected", version=version, error=str(exc))
                 self._error = exc
             else:
                 if staged:
+                    self._last_staged = version
                     self._remember(version, HeldVersion(digest, ann.mode, self._bytes))
                 if staged and self._keep_base:
                     self._base = (version, state)
@@ -220,7 +237,11 @@ class WeightFollower:
         else:
             try:
                 payload = await self._get(delta_store, ann.version, ann.digest)
-                return await asyncio.to_thread(apply_state_delta, base[1], payload, base[0]), ann.version
+                state, changes = await asyncio.to_thread(
+                    apply_state_delta, base[1], payload, base[0], with_changes=True
+                )
+                self._sparse = (ann.version, base[0], changes)
+                return state, ann.version
             except ChecksumMismatch as exc:
                 self.checksum_failures += 1
                 reason = f"checksum: {exc}"

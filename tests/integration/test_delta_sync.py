@@ -12,6 +12,7 @@ from miles.bus.client import Bus
 from miles.bus.dataplane import WeightStore
 from miles.bus.schema import WeightsAnnounced
 from miles.config import BusConfig, TinyModelConfig
+from miles.engines.base import SparseValues
 from miles.engines.torch_engine import TorchEngine
 from miles.models import tiny
 from miles.sync.delta import encode_state_delta
@@ -94,6 +95,38 @@ async def test_follower_tracks_every_delta_bit_exactly_and_downloads_little(bus:
         assert follower._base is not None and follower._base[0] == 5
         assert _same_bits(follower._base[1], states[-1])
         _assert_engine_holds(engine, states[-1])
+
+
+async def test_a_worker_that_staged_the_base_applies_deltas_as_changed_elements_only(bus: Bus) -> None:
+    """A worker that starts with no version (as rollout workers do) stages version 0 whole, then every delta
+    as SparseValues: the pause writes ~2% of the elements, and the engine still holds every bit."""
+    full_store, delta_store = await _stores(bus, anchor_every=100)
+    pub = WeightPublisher(bus, full_store, "bfloat16", mode="delta", delta_store=delta_store, anchor_every=100)
+    states = _versions(5)
+    engine = TorchEngine(_engine(seed=0).model, 0, version=-1)
+    follower = WeightFollower(bus, full_store, engine, delta_store=delta_store)
+    staged: list[tuple[int, bool, int]] = []  # (version, complete, elements written)
+    stage = engine.stage_weights
+
+    def spy(state, version, *, base_version=None, complete=True):  # type: ignore[no-untyped-def]
+        ok = stage(state, version, base_version=base_version, complete=complete)
+        if ok:
+            count = sum(v.index.numel() if isinstance(v, SparseValues) else v.numel() for v in state.values())
+            staged.append((version, complete, count))
+        return ok
+
+    engine.stage_weights = spy  # type: ignore[method-assign]
+    total = sum(t.numel() for t in states[0].values())
+    async with running(follower) as stopping:
+        for version, state in enumerate(states):
+            await pub.publish(state, version)
+            assert await asyncio.wait_for(follower.wait_for(version, stopping), 20)
+            assert follower.apply_staged() and engine.version == version
+            _assert_engine_holds(engine, state)
+    assert staged[0] == (0, True, total)
+    assert [(v, c) for v, c, _ in staged[1:]] == [(v, False) for v in range(1, 5)]
+    assert all(0 < count < 0.05 * total for _, _, count in staged[1:])  # ~2% of the elements
+    assert follower.sparse_stages == 4 and follower.delta_fallbacks == 0
 
 
 async def test_corrupt_delta_falls_back_and_never_stages_a_wrong_tensor(bus: Bus) -> None:
