@@ -246,7 +246,12 @@ class TrainerConfig(Strict):
     ranks: int = Field(1, ge=1, description="Data-parallel ranks `miles run` starts.")
     steps: int = Field(40, ge=1, description="Optimizer steps (= policy versions) to train.")
     groups_per_step: int = Field(8, ge=1, description="Prompt groups per optimizer step.")
-    lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
+    lr: float = Field(3e-4, gt=0, description="AdamW learning rate (the peak, with a schedule).")
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="After warm-up: keep lr, or decay it to lr * min_lr_ratio at the last step."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear learning-rate warm-up from ~0 to lr.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="End of a cosine/linear decay, as a fraction of lr.")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")

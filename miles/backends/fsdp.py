@@ -36,6 +36,7 @@ from miles.algo.losses import policy_loss
 from miles.algo.offpolicy import SUM_KEYS, importance_weights, ratio_base, ratio_cap, summarize
 from miles.backends.base import StepResult, TrainSample
 from miles.backends.checkpoint_io import atomic_torch_save, load_torch
+from miles.backends.lr_schedule import lr_at
 from miles.backends.packing import PackedBatch, micro_batches, num_micro_batches, pack
 from miles.config import FsdpBackendConfig, TrainerConfig
 from miles.sync.lora import add_adapters, lora_scale, merged_state, split_peft_state
@@ -119,6 +120,7 @@ class FsdpBackend:
             betas=trainer_cfg.betas,
             weight_decay=trainer_cfg.weight_decay,
         )
+        self.steps_done = 0  # optimizer steps taken (checkpointed): the learning-rate schedule's clock
         # FSDP averages gradients over ranks; the loss is already a share of the global mean, so
         # scaling it by world_size makes the averaged gradient the gradient of the global loss.
         self._grad_scale = float(world_size) if self.sharded else 1.0
@@ -216,6 +218,9 @@ class FsdpBackend:
             ref_logps = [self._logprobs_no_grad(self.ref_model, b) for b in batches]
 
         self.optimizer.zero_grad(set_to_none=True)
+        lr = lr_at(self.cfg, self.steps_done)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         mode, cap = self.algo.off_policy, ratio_cap(self.algo.off_policy, self.algo)
         # policy_loss shares, then off-policy sums; float64 so that the sums stay exact at scale.
         shares = torch.zeros(len(_SHARE_METRICS) + len(SUM_KEYS), dtype=torch.float64, device=self.device)
@@ -257,6 +262,7 @@ class FsdpBackend:
             log.warning("fsdp.step_skipped", rank=self.rank, grad_norm=grad_norm_value)
         else:
             self.optimizer.step()
+        self.steps_done += 1  # a skipped step still advances the schedule (it is one policy version)
         self.optimizer.zero_grad(set_to_none=True)
 
         totals = self._all_reduce(shares).tolist()  # shares sum to the global values
@@ -267,6 +273,7 @@ class FsdpBackend:
             num_tokens=num_tokens,
             num_sequences=num_sequences,
             skipped=float(skipped),
+            lr=lr,
         )
         return StepResult(metrics=metrics)
 
@@ -316,6 +323,7 @@ class FsdpBackend:
                 "reference": ref_state,
                 "extra": extra,
                 "world_size": self.world_size,
+                "steps_done": self.steps_done,
             }
             try:
                 atomic_torch_save(payload, path)
@@ -356,7 +364,7 @@ class FsdpBackend:
         if self.ref_model is not None:
             set_model_state_dict(self.ref_model, payload.get("reference") or {}, options=options)
 
-        extra = self._from_rank0(payload.get("extra", {}))
+        extra, self.steps_done = self._from_rank0((payload.get("extra", {}), int(payload.get("steps_done", 0))))
         log.info("fsdp.checkpoint_loaded", path=str(Path(path)), rank=self.rank)
         return dict(extra)
 

@@ -366,6 +366,17 @@ def test_two_rank_checkpoint_resumes_on_one_rank(two_rank_results: list[dict[str
         torch.testing.assert_close(res["weights"][name], value, rtol=0, atol=1e-5, msg=name)
 
 
+def test_lr_schedule_is_applied_and_resumes_where_it_stopped(tmp_path: Path) -> None:
+    cfg = TrainerConfig(lr=1e-3, steps=4, lr_schedule="linear", min_lr_ratio=0.0, backend=FsdpBackendConfig(threads=1))
+    backend = FsdpBackend(tiny_model(), PAD, cfg, 0, 1)
+    lrs = [backend.train_step(global_batch(s)).metrics["lr"] for s in range(2)]
+    assert lrs == pytest.approx([1e-3, 2e-3 / 3])
+    backend.save_checkpoint(str(tmp_path / "c.pt"), {})
+    restored = FsdpBackend(tiny_model(seed=1), PAD, cfg, 0, 1)
+    restored.load_checkpoint(str(tmp_path / "c.pt"))
+    assert restored.train_step(global_batch(2)).metrics["lr"] == pytest.approx(1e-3 / 3)
+
+
 def test_load_checkpoint_errors(tmp_path: Path) -> None:
     plain = FsdpBackend(tiny_model(), PAD, trainer_cfg(), 0, 1)
     plain.save_checkpoint(str(tmp_path / "plain.pt"), {})
