@@ -31,6 +31,8 @@ counters), ``trained_trajectories_per_s``, ``trained_tokens_per_s`` (step report
 every metric of the step}``; ``discards``: ``dropped``, ``requeued``, ``duplicates`` (trainer
 heartbeat); ``controller``: ``{issued, discarded}``; ``dead_lettered`` (``<run>_DLQ`` size);
 ``evals``: ``{policy_version: accuracy}``; ``eval_accuracy`` (newest);
+``weights``: the controller's held-weight audit ``{verified, mismatches, unverifiable, pending}``
+(null before its first heartbeat; docs/weight-sync.md);
 ``prometheus_port`` (only when the endpoint is on).
 """
 
