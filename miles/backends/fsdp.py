@@ -102,9 +102,10 @@ class FsdpBackend:
         elif world_size != 1:
             raise RuntimeError(f"world_size {world_size} needs torch.distributed initialised first")
 
-        # The reference is the initial policy, copied before any update (and before sharding).
+        # The reference is the initial policy, copied before any update (and before sharding). With LoRA it
+        # is the frozen base itself, read with the adapters switched off: no second copy of the model.
         self.ref_model: nn.Module | None = None
-        if self.algo.kl_coef > 0:
+        if self.algo.kl_coef > 0 and trainer_cfg.lora is None:
             self.ref_model = copy.deepcopy(model).requires_grad_(False)
             self._place(self.ref_model)
         self.lora_scale: float | None = None
@@ -216,6 +217,9 @@ class FsdpBackend:
         ref_logps: list[Tensor | None] = [None] * len(batches)
         if self.ref_model is not None:
             ref_logps = [self._logprobs_no_grad(self.ref_model, b) for b in batches]
+        elif self.algo.kl_coef > 0:  # LoRA: the base is the reference
+            with self.model.disable_adapter():  # type: ignore[operator]  # a peft model
+                ref_logps = [self._logprobs_no_grad(self.model, b) for b in batches]
 
         self.optimizer.zero_grad(set_to_none=True)
         lr = lr_at(self.cfg, self.steps_done)

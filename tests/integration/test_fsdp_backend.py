@@ -320,6 +320,24 @@ def test_lora_trains_only_the_adapter_and_exports_it_merged() -> None:
         FsdpBackend(tiny_model(), PAD, trainer_cfg(), 0, 1).export_adapter(torch.float32)
 
 
+def test_lora_kl_reference_is_the_frozen_base_without_a_copy() -> None:
+    """With LoRA the KL reference is the base with the adapters off: the same penalty as a copied base."""
+    batch = global_batch(0)
+    lora = FsdpBackend(tiny_model(), PAD, trainer_cfg(lr=1e-2, lora=LORA, kl_coef=0.5), 0, 1)
+    assert lora.ref_model is None
+    first = lora.train_step(batch).metrics
+    assert first["kl_ref"] == pytest.approx(0.0, abs=1e-9)  # B = 0: the policy is the base
+    second = lora.train_step(batch).metrics
+    assert second["kl_ref"] > 0  # the adapter moved the policy away from the base
+    # The same penalty computed against an explicit base copy (a full fine-tuning reference).
+    base = FsdpBackend(tiny_model(), PAD, trainer_cfg(), 0, 1)
+    base_logps = base.logprobs(batch)
+    with lora.model.disable_adapter():  # type: ignore[operator]
+        off = lora.logprobs(batch)
+    for got, want in zip(off, base_logps, strict=True):
+        assert got == pytest.approx(want, abs=1e-6)
+
+
 def test_two_rank_resume_is_bit_identical(two_rank_results: list[dict[str, Any]]) -> None:
     for rank in range(2):
         res = two_rank_results[rank]["resume"]
