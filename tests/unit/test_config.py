@@ -35,6 +35,10 @@ def test_override_switches_variant() -> None:
         (["staleness.max_staleness=-1"], "staleness.max_staleness:"),
         (["trainer.ranks=3"], "divisible"),
         (["trainer"], "not of the form"),
+        (["sync.mode=lora"], "sync.mode 'lora' needs trainer.lora"),
+        (["trainer.lora.rank=2", "sync.dtype=fp4_e2m1"], "not supported with trainer.lora"),
+        (["trainer.lora.rank=0"], "trainer.lora.rank:"),
+        (["sync.dtype=fp16"], "sync.dtype:"),
     ],
 )
 def test_bad_overrides_name_the_field(overrides: list[str], needle: str) -> None:
