@@ -74,6 +74,7 @@ class Controller(Actor):
         self.record = RunRecord(self.run_dir)
         self._epoch_order: tuple[int, list[str]] = (-1, [])
         self.audit = WeightAudit(logger=self.log)
+        self.sync_bytes: dict[str, list[int]] = {}  # mode -> size of every announced payload
 
     def heartbeat(self) -> Heartbeat:
         stats = {
@@ -163,6 +164,7 @@ class Controller(Actor):
             if ann is None:
                 continue
             self.audit.announce(ann)
+            self.sync_bytes.setdefault(ann.mode, []).append(ann.size)
             if ann.version > self.trainer_version:
                 self.trainer_version = ann.version
                 self._wake.set()
@@ -273,6 +275,11 @@ class Controller(Actor):
             groups_issued=self.state.issued,
             groups_outstanding=outstanding,
             workers={k: hb.version for k, hb in self.workers.items()},
+            # Bytes each published version put on the bus, per sync mode (a delta run also has full anchors).
+            sync_bytes={
+                mode: {"versions": len(sizes), "mean": sum(sizes) / len(sizes), "max": max(sizes)}
+                for mode, sizes in self.sync_bytes.items()
+            },
             **self.audit.summary(),
         )
         await self._write_plots()

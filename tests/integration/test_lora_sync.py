@@ -138,6 +138,9 @@ def test_lora_run_end_to_end(tmp_path: Path, server: EmbeddedNats, model_cache: 
     assert [p["mode"] for p in published] == ["lora"] * (cfg.trainer.steps + 1)
     # hidden 32, one layer: q and v adapters of rank 2 in bf16 = 2 * (2*32 + 32*2) * 2 bytes, plus the header
     adapter_bytes = {p["bytes"] for p in published}
-    assert len(adapter_bytes) == 1 and 512 < adapter_bytes.pop() < 1536
+    assert len(adapter_bytes) == 1 and 512 < (size := adapter_bytes.pop()) < 1536
+    assert set(summary["sync_bytes"]) == {"lora"}  # the controller saw nothing but adapters go out
+    assert summary["sync_bytes"]["lora"]["max"] == size and summary["sync_bytes"]["lora"]["versions"] >= 6
+    assert summary["weights_mismatches"] == 0 and summary["weights_verified"] >= 2
     for name in ("rollout-0", "rollout-1"):
         assert '"weights_applied"' in cluster.log(name)
