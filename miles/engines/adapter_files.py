@@ -22,7 +22,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -93,12 +93,35 @@ def validate_adapter(adapter: Mapping[str, torch.Tensor], lora: LoraConfig) -> N
             )
 
 
-def _fsync(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_dir_atomically(target: Path, fill: Callable[[Path], None]) -> None:
+    """Create directory ``target`` with ``fill(tmp)`` writing into a temporary sibling, then rename it into
+    place. An existing ``target`` is moved aside first and restored if anything fails, so a reader (an
+    SGLang server) sees the old directory, the new one, or briefly none, never a half-written one."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    old: Path | None = None
+    tmp.mkdir()
+    try:
+        fill(tmp)
+        if target.exists():
+            old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(target, old)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not target.exists():
+            os.replace(old, target)  # put the previous directory back
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def save_peft_adapter(
@@ -118,26 +141,15 @@ def save_peft_adapter(
     target = Path(directory)
     target.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter.items()}
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    old: Path | None = None
-    tmp.mkdir()
-    try:
-        config = json.dumps(adapter_config(lora, base_model), indent=2, sort_keys=True) + "\n"
+    config = json.dumps(adapter_config(lora, base_model), indent=2, sort_keys=True) + "\n"
+
+    def fill(tmp: Path) -> None:
         (tmp / CONFIG_NAME).write_text(config)
         save_file(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
         for name in (CONFIG_NAME, WEIGHTS_NAME):
-            _fsync(tmp / name)
-        if target.exists():
-            old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(target, old)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not target.exists():
-            os.replace(old, target)  # put the previous adapter back
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+            fsync_file(tmp / name)
+
+    write_dir_atomically(target, fill)
     return target
 
 

@@ -35,12 +35,10 @@ once the server has loaded from a newer one. A failed write or load is logged an
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import threading
 import time
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,7 +46,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from miles.config import LoraConfig
-from miles.engines.adapter_files import save_peft_adapter, validate_adapter
+from miles.engines.adapter_files import fsync_file, save_peft_adapter, validate_adapter, write_dir_atomically
 from miles.engines.base import Generation, SamplingParams, SparseValues
 from miles.engines.sglang_engine import SglangEngine
 
@@ -264,32 +262,16 @@ class SglangStagingEngine:
                 t = t.clone()  # tied weights: safetensors refuses tensors sharing memory
             seen.add(key)
             cpu[name] = t
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-        old: Path | None = None
-        tmp.mkdir()
-        try:
+
+        def fill(tmp: Path) -> None:
             if self.model_dir is not None:
                 for src in sorted(self.model_dir.iterdir()):
                     if src.is_file() and not src.name.endswith(_WEIGHT_SUFFIXES):
                         shutil.copy2(src, tmp / src.name)
             save_file(cpu, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
-            fd = os.open(tmp / WEIGHTS_FILE, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            if path.exists():
-                old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-                os.replace(path, old)
-            os.replace(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if old is not None and not path.exists():
-                os.replace(old, path)
-            raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            fsync_file(tmp / WEIGHTS_FILE)
+
+        write_dir_atomically(path, fill)
 
     def _prune(self) -> None:
         """Delete version directories beyond the KEEP_DIRS newest, except the adopted version's."""

@@ -136,6 +136,23 @@ class Cluster:
                 proc.wait(timeout=30)
 
 
+def run_to_completion(cfg: RunConfig, run_dir: Path, nats_url: str, timeout_s: float = 300) -> Cluster:
+    """Controller, two rollout workers and a one-rank trainer as processes until the run ends; the
+    accounting is checked. Returns the (stopped) cluster for its record and logs."""
+    from miles.models.loading import resolve_model_dir
+
+    resolve_model_dir(cfg.model, cfg.task)  # build the tiny model once, before the processes race for it
+    cluster = Cluster(cfg=cfg, run_dir=run_dir, nats_url=nats_url)
+    try:
+        cluster.start_all(rollouts=2, ranks=1)
+        cluster.wait_for(lambda: (cluster.run_dir / "summary.json").exists(), timeout_s, "the end of the run")
+        cluster.wait_all_exit(60)
+    finally:
+        cluster.stop()
+    check_accounting(cluster)
+    return cluster
+
+
 def check_accounting(cluster: Cluster) -> dict[str, set[str]]:
     """Every issued group is trained once, discarded, or still outstanding within the admission window."""
     events: dict[str, set[str]] = {"issued": set(), "trained": set(), "dropped": set(), "requeued": set()}

@@ -24,7 +24,7 @@ from miles.sync.lora import lora_scale
 from miles.sync.payload import serialize_state
 from miles.sync.publisher import WeightPublisher
 
-from .harness import Cluster, check_accounting, small_run_config
+from .harness import run_to_completion, small_run_config
 from .sync_helpers import running, until
 
 MODEL = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4, seed=3)
@@ -120,17 +120,7 @@ def test_lora_run_end_to_end(tmp_path: Path, server: EmbeddedNats, model_cache: 
         "lora",
         **{"sync.mode": "lora", "trainer.lora.rank": 2, "trainer.lora.target_modules": ["q_proj", "v_proj"]},
     )
-    from miles.models.loading import resolve_model_dir
-
-    resolve_model_dir(cfg.model, cfg.task)
-    cluster = Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=server.url)
-    try:
-        cluster.start_all(rollouts=2, ranks=1)
-        cluster.wait_for(lambda: (cluster.run_dir / "summary.json").exists(), 300, "the end of the run")
-        cluster.wait_all_exit(60)
-    finally:
-        cluster.stop()
-    check_accounting(cluster)
+    cluster = run_to_completion(cfg, tmp_path / "run", server.url)
     summary = cluster.summary()
     assert summary["steps"] == cfg.trainer.steps and summary["dead_lettered"] == 0
 

@@ -20,7 +20,7 @@ from miles.sync.follower import WeightFollower
 from miles.sync.precision import from_rollout_state, state_digest, to_rollout_state
 from miles.sync.publisher import WeightPublisher, delta_keep_versions
 
-from .harness import Cluster, check_accounting, small_run_config
+from .harness import run_to_completion, small_run_config
 from .sync_helpers import running, until
 
 MODEL = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4, seed=5)
@@ -88,17 +88,7 @@ def test_quantized_run_end_to_end_is_audited(
     cfg = small_run_config(
         model_cache, f"q{precision[:3]}", **{"sync.dtype": precision, "sync.mode": "delta", "sync.anchor_every": 3}
     )
-    from miles.models.loading import resolve_model_dir
-
-    resolve_model_dir(cfg.model, cfg.task)
-    cluster = Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=server.url)
-    try:
-        cluster.start_all(rollouts=2, ranks=1)
-        cluster.wait_for(lambda: (cluster.run_dir / "summary.json").exists(), 300, "the end of the run")
-        cluster.wait_all_exit(60)
-    finally:
-        cluster.stop()
-    check_accounting(cluster)
+    cluster = run_to_completion(cfg, tmp_path / "run", server.url)
     summary = cluster.summary()
     assert summary["steps"] == cfg.trainer.steps and summary["dead_lettered"] == 0
     assert summary["weights_mismatches"] == 0
