@@ -64,11 +64,12 @@ def test_split_processes_two_ranks_with_garbage(tmp_path: Path, server: Embedded
         cluster.start("controller", "controller")
         cluster.start("rollout-0", "rollout")
         cluster.start("rollout-1", "rollout")
-        # Garbage goes in while the run is under way (workers producing), ahead of trajectories the
-        # trainer has yet to consume, so every piece is met before the last step.
+        cluster.start_trainer(ranks=2)  # workers generate only once the trainer has published version 0
+        # Garbage goes in while the run is under way (workers producing), ahead of trajectories the trainer
+        # has yet to consume: admission holds back all but (eta + 1) steps' worth of groups until the trainer
+        # trains, and it reads the stream in order, so every piece is met before the last step.
         cluster.wait_for(lambda: asyncio.run(_stream_size(server.url, "split_TRAJ")) >= 1, 240, "a trajectory")
         injected = asyncio.run(_publish_garbage(server.url, cluster.cfg.name))
-        cluster.start_trainer(ranks=2)
         cluster.wait_for(lambda: (cluster.run_dir / "summary.json").exists(), 300, "the end of the run")
         cluster.wait_all_exit(60)
     finally:
