@@ -10,12 +10,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
 from miles.config import RunConfig, dump_config, load_config
 from miles.launch import free_port, node_command
+
+M = TypeVar("M")
 
 
 def small_run_config(model_cache: Path, name: str, **overrides: Any) -> RunConfig:
@@ -134,6 +136,46 @@ class Cluster:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=30)
+
+
+async def subject_messages(url: str, stream: str, subject: str, model: type[M]) -> list[M]:
+    """Every message ever published on ``subject`` (kept by ``stream``), decoded as ``model``."""
+    from miles.bus.connect import connect
+    from miles.bus.schema import decode
+
+    nc = await connect(url, name="audit")
+    try:
+        js = nc.jetstream()
+        sub = await js.subscribe(subject, stream=stream, ordered_consumer=True)
+        out: list[M] = []
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=1.0)
+            except Exception:  # nats TimeoutError: nothing more on the subject
+                return out
+            out.append(decode(msg.data, model))
+    finally:
+        await nc.close()
+
+
+def check_held_weights(cluster: Cluster) -> None:
+    """Every rollout worker reported the weights it adopted, and every report matches the trainer's
+    announced digest for that version (read from the stream, independent of the controller's timing)."""
+    import asyncio
+
+    from miles.bus.schema import WeightsAnnounced, WeightsHeld
+
+    run = cluster.cfg.name
+    stream = f"{run}_EVENTS"
+    announced = asyncio.run(subject_messages(cluster.nats_url, stream, f"{run}.events.weights", WeightsAnnounced))
+    reports = asyncio.run(subject_messages(cluster.nats_url, stream, f"{run}.events.weights_held", WeightsHeld))
+    digests = {a.version: a.state_digest for a in announced}
+    workers = {n for n in cluster.procs if n.startswith("rollout")}
+    assert {r.worker_id for r in reports} == workers, "a worker never reported the weights it holds"
+    for r in reports:
+        assert r.state_digest and r.state_digest == digests[r.version], f"{r.worker_id} v{r.version}"
+    summary = cluster.summary()
+    assert summary["weights_mismatches"] == 0 and summary["weights_verified"] >= 1
 
 
 def run_to_completion(cfg: RunConfig, run_dir: Path, nats_url: str, timeout_s: float = 300) -> Cluster:
