@@ -20,9 +20,11 @@ import asyncio
 import contextlib
 import json
 import random
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from miles.actors.base import Actor
@@ -179,25 +181,17 @@ class Controller(Actor):
     async def _pull_loop(
         self, stream: str, durable: str, filter_subject: str, done: asyncio.Event, handle: Any
     ) -> None:
-        config = ConsumerConfig(durable_name=durable, filter_subject=filter_subject, ack_wait=self.cfg.bus.ack_wait_s)
-        sub = await self.bus.js.pull_subscribe(filter_subject, durable=durable, stream=stream, config=config)
-        try:
-            while not done.is_set():
+        messages = pull_messages(self.bus, stream, durable, filter_subject, done, ack_wait_s=self.cfg.bus.ack_wait_s)
+        async with contextlib.aclosing(messages):
+            async for m in messages:
                 try:
-                    msgs = await sub.fetch(64, timeout=0.5)
-                except asyncio.TimeoutError:
-                    continue
-                for m in msgs:
-                    try:
-                        message = decode_any(m.data)
-                    except SchemaError as exc:
-                        await self.bus.dead_letter(m.subject, m.data, str(exc))
-                        await m.ack()
-                        continue
-                    await handle(message, done)
+                    message = decode_any(m.data)
+                except SchemaError as exc:
+                    await self.bus.dead_letter(m.subject, m.data, str(exc))
                     await m.ack()
-        finally:
-            await sub.unsubscribe()
+                    continue
+                await handle(message, done)
+                await m.ack()
 
     async def _follow_discards(self, done: asyncio.Event) -> None:
         async def handle(message: Any, _: asyncio.Event) -> None:
@@ -288,20 +282,13 @@ class Controller(Actor):
         self.log.info("run_complete", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
 
 
-async def follow_weights_held(bus: Bus, audit: WeightAudit, done: asyncio.Event, *, ack_wait_s: float) -> None:
-    """Pull ``<run>.events.weights_held`` through the controller's durable consumer into ``audit``.
-
-    Anything that is not a ``weights_held`` message is dead-lettered (and acked); a report is acked
-    once the audit has seen it. Creating the consumer is idempotent, so a restarted controller
-    resumes where it stopped.
-    """
-    s = bus.subjects
-    config = ConsumerConfig(
-        durable_name=s.CONTROLLER_WEIGHTS_CONSUMER, filter_subject=s.weights_held, ack_wait=ack_wait_s
-    )
-    sub = await bus.js.pull_subscribe(
-        s.weights_held, durable=s.CONTROLLER_WEIGHTS_CONSUMER, stream=s.events_stream, config=config
-    )
+async def pull_messages(
+    bus: Bus, stream: str, durable: str, subject: str, done: asyncio.Event, *, ack_wait_s: float
+) -> AsyncIterator[Msg]:
+    """Every message of the durable pull consumer ``durable`` on ``subject`` until ``done`` (the caller
+    acks). Creating the consumer is idempotent, so a restarted controller resumes where it stopped."""
+    config = ConsumerConfig(durable_name=durable, filter_subject=subject, ack_wait=ack_wait_s)
+    sub = await bus.js.pull_subscribe(subject, durable=durable, stream=stream, config=config)
     try:
         while not done.is_set():
             try:
@@ -309,10 +296,25 @@ async def follow_weights_held(bus: Bus, audit: WeightAudit, done: asyncio.Event,
             except asyncio.TimeoutError:
                 continue
             for m in msgs:
-                held = await bus.decode_or_dead_letter(m, WeightsHeld)  # acks what it dead-letters
-                if held is not None:
-                    audit.report(held)
-                    await m.ack()
+                yield m
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
+
+
+async def follow_weights_held(bus: Bus, audit: WeightAudit, done: asyncio.Event, *, ack_wait_s: float) -> None:
+    """Pull ``<run>.events.weights_held`` through the controller's durable consumer into ``audit``.
+
+    Anything that is not a ``weights_held`` message is dead-lettered (and acked); a report is acked
+    once the audit has seen it.
+    """
+    s = bus.subjects
+    messages = pull_messages(
+        bus, s.events_stream, s.CONTROLLER_WEIGHTS_CONSUMER, s.weights_held, done, ack_wait_s=ack_wait_s
+    )
+    async with contextlib.aclosing(messages):
+        async for m in messages:
+            held = await bus.decode_or_dead_letter(m, WeightsHeld)  # acks what it dead-letters
+            if held is not None:
+                audit.report(held)
+                await m.ack()
