@@ -141,14 +141,12 @@ class TrainerLeader(Actor):
         the adapter. FP8/FP4 are quantized here, so workers run exactly these codes and scales."""
         import torch
 
-        from miles.sync.engine_weights import QUANTIZED
+        from miles.sync.precision import is_quantized, to_rollout_state
 
         sync = self.cfg.sync
         if sync.mode == "lora":
             return await self.ranks.call("export_adapter", getattr(torch, sync.dtype))
-        if sync.dtype in QUANTIZED:
-            from miles.sync.precision import to_rollout_state
-
+        if is_quantized(sync.dtype):
             master = await self.ranks.call("export_weights", torch.float32)
             return await asyncio.to_thread(to_rollout_state, master, sync.dtype)
         return await self.ranks.call("export_weights", getattr(torch, sync.dtype))

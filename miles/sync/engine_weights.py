@@ -21,8 +21,7 @@ import torch
 
 from miles.engines.base import SparseValues
 from miles.sync.lora import AdapterApplier
-
-QUANTIZED = ("fp8_e4m3", "fp4_e2m1")
+from miles.sync.precision import from_rollout_state, is_quantized
 
 
 class EngineWeights:
@@ -50,9 +49,7 @@ class EngineWeights:
             return dict(published), False
         if self.adapters is not None:
             return self.adapters.merged(published), False
-        if self.precision in QUANTIZED:
-            from miles.sync.precision import from_rollout_state
-
+        if is_quantized(self.precision):
             return from_rollout_state(dict(published), torch.float32), True
         return dict(published), True
 
@@ -62,7 +59,7 @@ class EngineWeights:
         """A sparse update for a state that differs from the previous one only at ``changes`` (flat positions
         per tensor, from the delta decoder), or None where that cannot be expressed so (quantized codes
         dequantize through their scales; an adapter replaces whole modules): stage the full decode then."""
-        if self.adapters is not None or self.passthrough or self.precision in QUANTIZED:
+        if self.adapters is not None or self.passthrough or is_quantized(self.precision):
             return None
         return {
             name: SparseValues(index, published[name].reshape(-1)[index])
