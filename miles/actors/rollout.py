@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -40,6 +40,7 @@ class RolloutWorker(Actor):
         self.groups_done = 0
         self.tokens_done = 0
         self.busy_s = 0.0
+        self._reported_version = -1  # newest version announced to the controller as held (WeightsHeld)
 
     def heartbeat(self) -> Heartbeat:
         version = self.engine.version if hasattr(self, "engine") else -1
@@ -146,24 +147,31 @@ class RolloutWorker(Actor):
         )
 
     async def _report_held_versions(self) -> None:
-        """Tell the controller which version the engine adopted and the digest of its published state,
-        so that a worker running other weights than the trainer published is flagged (WeightsHeld)."""
-        reported = -1
+        """Report adoptions that happen while idle (a staged version applied between batches)."""
         while not self.stopping.is_set():
-            version = self.engine.version
-            held = self.follower.staged_versions.get(version)
-            if version != reported and held is not None:
-                report = WeightsHeld(
-                    worker_id=self.actor_id,
-                    version=version,
-                    state_digest=held.state_digest,
-                    mode=held.mode,
-                    fetch_bytes=held.fetch_bytes,
-                    pause_s=self.engine.last_pause_s,
-                )
-                await self.bus.publish(self.bus.subjects.weights_held, report)
-                reported = version
+            await self._report_held_version()
             await asyncio.sleep(0.2)
+
+    async def _report_held_version(self, used: Iterable[int] = ()) -> None:
+        """Tell the controller which versions the engine adopted, with the digest of each one's published
+        state, so that a worker running other weights than the trainer published is flagged (WeightsHeld).
+        ``used``: the versions a generation's tokens came from (a version switched in and out within one
+        batch is reported too). Called after every generation, before its trajectories go out, so a worker
+        that produced anything has reported the weights it produced it with."""
+        for version in sorted({*used, self.engine.version}):
+            held = self.follower.staged_versions.get(version)
+            if version <= self._reported_version or held is None:
+                continue
+            self._reported_version = version  # first: the idle loop and a batch never report one twice
+            report = WeightsHeld(
+                worker_id=self.actor_id,
+                version=version,
+                state_digest=held.state_digest,
+                mode=held.mode,
+                fetch_bytes=held.fetch_bytes,
+                pause_s=self.engine.last_pause_s,
+            )
+            await self.bus.publish(self.bus.subjects.weights_held, report)
 
     async def _process(
         self, msgs: list[Msg], task: Task, params: SamplingParams, encode: Callable[[str], list[int]]
@@ -190,6 +198,7 @@ class RolloutWorker(Actor):
             gens = await asyncio.to_thread(self.engine.generate, batch, params)
             gen_s = time.perf_counter() - start
             self.busy_s += gen_s
+            await self._report_held_version(v for gen in gens for _, v in gen.version_spans)
             for i, (m, g) in enumerate(groups):
                 sample = Sample(id=g.sample_id, prompt=g.prompt, answer=g.answer)
                 completions = []

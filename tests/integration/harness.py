@@ -159,19 +159,22 @@ async def subject_messages(url: str, stream: str, subject: str, model: type[M]) 
 
 
 def check_held_weights(cluster: Cluster) -> None:
-    """Every rollout worker reported the weights it adopted, and every report matches the trainer's
-    announced digest for that version (read from the stream, independent of the controller's timing)."""
+    """Every version a worker generated a trained token with was reported by that worker, and every
+    report matches the trainer's announced digest for its version (read from the streams, so independent
+    of when the controller wrote its summary)."""
     import asyncio
 
-    from miles.bus.schema import WeightsAnnounced, WeightsHeld
+    from miles.bus.schema import Trajectory, WeightsAnnounced, WeightsHeld
 
     run = cluster.cfg.name
-    stream = f"{run}_EVENTS"
-    announced = asyncio.run(subject_messages(cluster.nats_url, stream, f"{run}.events.weights", WeightsAnnounced))
-    reports = asyncio.run(subject_messages(cluster.nats_url, stream, f"{run}.events.weights_held", WeightsHeld))
+    url, events = cluster.nats_url, f"{run}_EVENTS"
+    announced = asyncio.run(subject_messages(url, events, f"{run}.events.weights", WeightsAnnounced))
+    reports = asyncio.run(subject_messages(url, events, f"{run}.events.weights_held", WeightsHeld))
+    trajectories = asyncio.run(subject_messages(url, f"{run}_TRAJ", f"{run}.traj", Trajectory))
     digests = {a.version: a.state_digest for a in announced}
-    workers = {n for n in cluster.procs if n.startswith("rollout")}
-    assert {r.worker_id for r in reports} == workers, "a worker never reported the weights it holds"
+    reported = {(r.worker_id, r.version) for r in reports}
+    used = {(t.worker_id, v) for t in trajectories for c in t.completions for _, v in c.version_spans}
+    assert used and used <= reported, f"versions generated with but never reported: {sorted(used - reported)}"
     for r in reports:
         assert r.state_digest and r.state_digest == digests[r.version], f"{r.worker_id} v{r.version}"
     summary = cluster.summary()
