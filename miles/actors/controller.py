@@ -76,7 +76,8 @@ class Controller(Actor):
         self.record = RunRecord(self.run_dir)
         self._epoch_order: tuple[int, list[str]] = (-1, [])
         self.audit = WeightAudit(logger=self.log)
-        self.sync_bytes: dict[str, list[int]] = {}  # mode -> size of every announced payload
+        # mode -> {versions, bytes, max} of the announced payloads (running totals: bounded for any run length)
+        self.sync_bytes: dict[str, dict[str, int]] = {}
 
     def heartbeat(self) -> Heartbeat:
         stats = {
@@ -166,7 +167,10 @@ class Controller(Actor):
             if ann is None:
                 continue
             self.audit.announce(ann)
-            self.sync_bytes.setdefault(ann.mode, []).append(ann.size)
+            totals = self.sync_bytes.setdefault(ann.mode, {"versions": 0, "bytes": 0, "max": 0})
+            totals["versions"] += 1
+            totals["bytes"] += ann.size
+            totals["max"] = max(totals["max"], ann.size)
             if ann.version > self.trainer_version:
                 self.trainer_version = ann.version
                 self._wake.set()
@@ -271,8 +275,8 @@ class Controller(Actor):
             workers={k: hb.version for k, hb in self.workers.items()},
             # Bytes each published version put on the bus, per sync mode (a delta run also has full anchors).
             sync_bytes={
-                mode: {"versions": len(sizes), "mean": sum(sizes) / len(sizes), "max": max(sizes)}
-                for mode, sizes in self.sync_bytes.items()
+                mode: {"versions": t["versions"], "mean": t["bytes"] / t["versions"], "max": t["max"]}
+                for mode, t in self.sync_bytes.items()
             },
             **self.audit.summary(),
         )

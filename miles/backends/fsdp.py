@@ -298,11 +298,14 @@ class FsdpBackend:
         """The LoRA adapter tensors under peft's saved names, on CPU, cast to ``dtype``; rank 0 only. Collective."""
         if self.lora_scale is None:
             raise ValueError("export_adapter needs trainer.lora")
-        state = self._full_state(self.model)
+        # Only the trainable (adapter) parameters are gathered, never the frozen base: every step publishes
+        # this, and the base can be orders of magnitude larger. Same order on every rank (a collective each).
+        with torch.no_grad():
+            trainable = {n: _as_local(p.detach()) for n, p in self.model.named_parameters() if p.requires_grad}
         if self.rank != 0:
             return {}
-        adapter, _ = split_peft_state(state)
-        return {name: t.detach().to(device="cpu", dtype=dtype, copy=True) for name, t in adapter.items()}
+        adapter, _ = split_peft_state(trainable)
+        return {name: t.to(device="cpu", dtype=dtype, copy=True) for name, t in adapter.items()}
 
     def save_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
         """Write model, optimizer, reference and ``extra`` durably to the single file ``path``. Collective.
@@ -403,6 +406,6 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def _as_local(value: Tensor) -> Tensor:
-    """A DTensor (FSDP's global grad norm) as a plain tensor."""
+    """A DTensor (a sharded parameter, FSDP's global grad norm) as a full plain tensor (a collective)."""
     full = getattr(value, "full_tensor", None)
     return full() if callable(full) else value

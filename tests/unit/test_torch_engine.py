@@ -138,10 +138,9 @@ def test_load_weights_swaps_model_and_propagates_version(
     assert engine.model.state_dict()[name].dtype == torch.float32 and engine.version == 4
 
 
-@pytest.mark.parametrize("fault", ["missing", "unexpected", "shape"])
-def test_load_weights_rejects_bad_payloads_atomically(tok: PreTrainedTokenizerFast, fault: str) -> None:
-    engine = make_engine(tok, 0)
-    state = dict(make_model(tok, 1).state_dict())
+def _faulty_state(tok: PreTrainedTokenizerFast, fault: str) -> tuple[dict[str, torch.Tensor], str]:
+    """A full state with one ``fault`` (a missing, an unexpected or a misshapen tensor) and the key at fault."""
+    state = {k: v.clone() for k, v in make_model(tok, 1).state_dict().items()}
     key = "model.layers.1.self_attn.q_proj.weight"
     if fault == "missing":
         del state[key]
@@ -150,6 +149,13 @@ def test_load_weights_rejects_bad_payloads_atomically(tok: PreTrainedTokenizerFa
         state[key] = torch.zeros(2)
     else:
         state[key] = torch.zeros(3, 3)
+    return state, key
+
+
+@pytest.mark.parametrize("fault", ["missing", "unexpected", "shape"])
+def test_load_weights_rejects_bad_payloads_atomically(tok: PreTrainedTokenizerFast, fault: str) -> None:
+    engine = make_engine(tok, 0)
+    state, key = _faulty_state(tok, fault)
     snapshot = {k: v.clone() for k, v in engine.model.state_dict().items()}
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         engine.load_weights(state, version=9)
@@ -405,15 +411,7 @@ def test_worker_several_versions_behind_jumps_to_the_newest(
 @pytest.mark.parametrize("fault", ["missing", "unexpected", "shape"])
 def test_stage_weights_rejects_bad_payloads_up_front(tok: PreTrainedTokenizerFast, fault: str) -> None:
     engine = make_engine(tok, 0)
-    state = _state(tok, 1)
-    key = "model.layers.1.self_attn.q_proj.weight"
-    if fault == "missing":
-        del state[key]
-    elif fault == "unexpected":
-        key = "model.layers.9.extra.weight"
-        state[key] = torch.zeros(2)
-    else:
-        state[key] = torch.zeros(3, 3)
+    state, key = _faulty_state(tok, fault)
     with pytest.raises(ValueError, match=r"stage_weights: .*" + key.replace(".", r"\.")):
         engine.stage_weights(state, version=9)
     assert engine.pending_version is None and not engine.apply_pending() and engine.version == 0
