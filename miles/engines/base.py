@@ -1,13 +1,30 @@
-"""The generation-engine interface every rollout backend implements."""
+"""The generation-engine interface every rollout backend implements.
+
+Engines take requests **one by one, asynchronously**: :meth:`Engine.generate` is a coroutine for a
+single prompt (token ids in, token ids out), and many of them are in flight at once. The torch engine
+batches them continuously (requests join and leave its running batch at token boundaries); the SGLang
+engine sends each as its own ``/generate`` call and lets the server batch. A long episode therefore
+never holds back a short one, and a multi-turn episode simply sends its next turn as a new request.
+
+Weights change in the background (:class:`StagingEngine`): staged updates switch in at the next token
+boundary, and every :class:`Generation` says which policy version sampled which of its tokens.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
     import torch
+
+FinishReason = Literal["stop", "length", "context"]
+
+
+class EngineError(RuntimeError):
+    """The engine failed (its loop thread died, the server refused a request); the message says why."""
 
 
 @dataclass(slots=True)
@@ -22,22 +39,25 @@ class SamplingParams:
 
 @dataclass(slots=True)
 class Generation:
-    """One sampled completion.
+    """One sampled completion of one request.
 
-    ``logprobs[i]`` is the behaviour log-probability of ``output_ids[i]`` under the sampling
-    distribution the engine actually drew from (temperature applied, before top-p truncation),
-    which is what off-policy corrections need.
+    ``output_ids`` are exactly the sampled token ids (a stop token that ended the request included);
+    ``logprobs[i]`` is the behaviour log-probability of ``output_ids[i]`` under the distribution the engine
+    actually drew it from (temperature applied, before top-p truncation), which off-policy corrections need.
+
+    ``finish_reason``: ``stop`` (a stop token), ``length`` (``max_new_tokens`` reached) or ``context`` (the
+    model's context window is full: prompt plus output reached the engine's ``max_context``).
 
     ``weight_version`` is the version that sampled the first output token (the oldest one).
-    ``version_spans`` is ``[(first output index, version), ...]`` in increasing index order: the
-    version in force from that token on, one span when the weights did not change mid-generation
-    (left empty by an engine, it becomes ``[(0, weight_version)]``).
+    ``version_spans`` is ``[(first output index, version), ...]`` in increasing index order: the version in
+    force from that token on, one span when the weights did not change mid-generation (left empty by an
+    engine, it becomes ``[(0, weight_version)]``).
     """
 
     prompt_ids: list[int]
     output_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
+    finish_reason: FinishReason
     weight_version: int
     version_spans: list[tuple[int, int]] = field(default_factory=list)
 
@@ -59,19 +79,40 @@ class SparseValues:
 
 
 class Engine(Protocol):
-    """A policy that samples tokens at a known weight version."""
+    """A policy that samples tokens at a known weight version, one asynchronous request at a time.
+
+    Lifecycle: ``await engine.start()`` before the first request, ``await engine.close()`` at the end
+    (also usable as ``async with engine:``). A failure of the engine itself (its loop thread died, the
+    server is gone) makes every pending and later :meth:`generate` raise :class:`EngineError`, and is kept
+    in :attr:`error`, so the actor that owns the engine fails loudly instead of waiting forever.
+    """
 
     @property
     def version(self) -> int:
-        """Policy version of the weights currently used for generation."""
+        """Policy version of the weights currently used for generation (-1: none yet)."""
         ...
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """Sample one completion per prompt (batched). Blocking; actors call it in a worker thread."""
+    @property
+    def max_context(self) -> int:
+        """Most tokens (prompt plus output) one request may hold."""
         ...
 
-    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Swap in a full set of weights (names as in the HF state dict) and adopt ``version``."""
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine stopped working, or None while it works."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        """Sample one completion of ``prompt_ids``. Cancelling the awaiting task aborts the request."""
+        ...
+
+    def pinned(self) -> AbstractAsyncContextManager[int]:
+        """``async with engine.pinned() as version:`` no staged weights switch in until the block ends, so
+        every request generated inside it runs at ``version`` (used for evaluations at one version)."""
         ...
 
 
@@ -95,9 +136,12 @@ class StagingEngine(Engine, Protocol):
         complete: bool = True,
     ) -> bool:
         """Validate and park weights for the next token boundary; False if not newer than what it holds
-        (or, for a partial update with ``base_version``, if the engine will not be at that version)."""
+        (or, for a partial update with ``base_version``, if the engine will not be at that version).
+        Thread-safe and non-blocking. Staged weights are applied by the engine itself: at the next token
+        boundary of a running batch, or at once when it is idle (unless :meth:`Engine.pinned`)."""
         ...
 
-    def apply_pending(self) -> bool:
-        """Apply staged weights now if idle; True if the version changed."""
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int, *, complete: bool = True) -> None:
+        """Copy weights in now and adopt ``version`` (blocking; waits for the running step). For tests and
+        start-up, not for the event loop."""
         ...
