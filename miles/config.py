@@ -170,48 +170,172 @@ class RolloutConfig(Strict):
 # --------------------------------------------------------------------------- trainer
 
 
-class AlgoConfig(Strict):
-    """GRPO advantages with a PPO-clip objective."""
+class CustomPiece(Strict):
+    """A user's own piece of the objective: ``path`` names a factory ``(config) -> piece`` (docs/algorithms.md)."""
 
-    advantage: Literal["grpo", "grpo_no_std"] = Field("grpo", description="Group-normalised advantages.")
+    type: Literal["custom"] = "custom"
+    path: str = Field(description="Import path 'package.module:factory' of the factory.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Passed to the factory inside this section.")
+
+
+class GrpoAdvantage(Strict):
+    """Group-relative advantages: ``(r - mean(group)) / (std(group) + eps)`` (population std)."""
+
+    type: Literal["grpo"] = "grpo"
+    eps: float = Field(1e-6, gt=0, description="Keeps the division finite for a group of nearly equal rewards.")
+
+
+class GrpoNoStdAdvantage(Strict):
+    """``r - mean(group)``: no std scaling, so nearly solved or nearly failed groups are not up-weighted."""
+
+    type: Literal["grpo_no_std"] = "grpo_no_std"
+
+
+AdvantageConfig = Annotated[
+    Annotated[GrpoAdvantage, Tag("grpo")]
+    | Annotated[GrpoNoStdAdvantage, Tag("grpo_no_std")]
+    | Annotated[CustomPiece, Tag("custom")],
+    _variant("grpo"),
+]
+
+
+class PpoClipLoss(Strict):
+    """PPO-clip with separate bounds (clip-higher): ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``."""
+
+    type: Literal["ppo_clip"] = "ppo_clip"
     clip_low: float = Field(0.2, ge=0, description="PPO ratio lower clip: 1 - clip_low.")
     clip_high: float = Field(0.28, ge=0, description="PPO ratio upper clip: 1 + clip_high (clip-higher).")
+    aggregation: Literal["token", "sequence"] = Field(
+        "token", description="Average over all trained tokens of the batch, or per sequence then over sequences."
+    )
+
+
+LossConfig = Annotated[
+    Annotated[PpoClipLoss, Tag("ppo_clip")] | Annotated[CustomPiece, Tag("custom")], _variant("ppo_clip")
+]
+
+
+class NoCorrection(Strict):
+    """PPO ratio ``pi_theta / pi_prox``; the behaviour policy is ignored."""
+
+    type: Literal["none"] = "none"
+
+
+class DecoupledPpoCorrection(Strict):
+    """AReaL's decoupled PPO with truncated importance weights (what slime and verl call TIS): ratio
+    ``pi_theta / pi_prox``, each token weighted by ``min(pi_prox / pi_behaviour, clip)``."""
+
+    type: Literal["decoupled_ppo"] = "decoupled_ppo"
+    clip: float = Field(2.0, ge=1.0, description="Upper truncation of the importance weight.")
+
+
+class BehaviourRatioCorrection(Strict):
+    """The PPO ratio taken against the behaviour policy itself, ``min(pi_theta / pi_behaviour, cap)``, with no
+    proximal policy (formerly called ``tis``; for negative advantages the cap is dual-clip PPO)."""
+
+    type: Literal["behaviour_ratio"] = "behaviour_ratio"
+    cap: float = Field(2.0, ge=1.0, description="Upper truncation of the ratio.")
+
+
+class MaskedIsCorrection(Strict):
+    """IcePop-style masking: weight ``k = pi_prox / pi_behaviour`` inside ``[low, high]``, 0 outside."""
+
+    type: Literal["masked_is"] = "masked_is"
+    low: float = Field(0.5, ge=0, le=1, description="Tokens whose k is below this get weight 0.")
+    high: float = Field(2.0, ge=1, description="Tokens whose k is above this get weight 0.")
+
+
+class SequenceCorrection(Strict):
+    """Whole sequences weighted by ``min(prod_t pi_prox / pi_behaviour, clip)``."""
+
+    type: Literal["sequence"] = "sequence"
+    clip: float = Field(2.0, ge=1.0, description="Upper truncation of the sequence weight.")
+
+
+OffPolicyConfig = Annotated[
+    Annotated[NoCorrection, Tag("none")]
+    | Annotated[DecoupledPpoCorrection, Tag("decoupled_ppo")]
+    | Annotated[BehaviourRatioCorrection, Tag("behaviour_ratio")]
+    | Annotated[MaskedIsCorrection, Tag("masked_is")]
+    | Annotated[SequenceCorrection, Tag("sequence")]
+    | Annotated[CustomPiece, Tag("custom")],
+    _variant("decoupled_ppo"),
+]
+
+_RENAMED = {
+    ("off_policy", "tis"): "'tis' was renamed: 'behaviour_ratio' is what it computed (the PPO ratio taken against "
+    "the behaviour policy, capped); 'decoupled_ppo' is truncated importance sampling as slime and verl mean it",
+}
+
+
+class AlgoConfig(Strict):
+    """The RL objective, assembled from registered pieces (docs/algorithms.md). Each piece is chosen by the
+    ``type`` of its section; a bare string is shorthand for ``{type: <string>}``."""
+
+    advantage: AdvantageConfig = Field(default_factory=GrpoAdvantage, description="Advantage estimator.")
+    loss: LossConfig = Field(default_factory=PpoClipLoss, description="Policy-gradient loss.")
+    off_policy: OffPolicyConfig = Field(
+        default_factory=DecoupledPpoCorrection,
+        description="Correction for tokens sampled by an older or differently rounded behaviour policy "
+        "(docs/staleness.md): none, decoupled_ppo, behaviour_ratio, masked_is, sequence, or custom.",
+    )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL penalty to the reference policy.")
     entropy_coef: float = Field(0.0, description="Weight of the entropy bonus.")
-    aggregation: Literal["token", "sequence"] = Field(
-        "token", description="Average the loss over all tokens of the batch, or per sequence then over sequences."
+    minibatches: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per rollout batch: the batch is split into this many mini-batches, each one "
+        "step against the same proximal policy (so the PPO ratio and its clip act from the second on).",
     )
-    off_policy: Literal["none", "tis", "masked_is", "sequence", "decoupled_ppo"] = Field(
-        "decoupled_ppo",
-        description="Correction for trajectories sampled by an older (or differently rounded) behaviour policy "
-        "(docs/staleness.md): 'decoupled_ppo' clips pi/pi_prox and weights each token by "
-        "min(pi_prox / pi_behaviour, tis_clip); 'tis' takes the ratio against the behaviour policy, truncated "
-        "at tis_clip (no proximal policy); 'masked_is' keeps the weight pi_prox / pi_behaviour inside "
-        "[mis_low, mis_high] and zeroes tokens outside; 'sequence' weights whole sequences by "
-        "min(prod pi_prox / pi_behaviour, tis_clip); 'none' ignores the behaviour policy.",
-    )
-    tis_clip: float = Field(
-        2.0, ge=1.0, description="Upper truncation of the importance weight ('decoupled_ppo', 'tis', 'sequence')."
-    )
-    mis_low: float = Field(
-        0.5, ge=0, le=1, description="'masked_is': tokens whose pi_prox / pi_behaviour is below this get weight 0."
-    )
-    mis_high: float = Field(
-        2.0, ge=1, description="'masked_is': tokens whose pi_prox / pi_behaviour is above this get weight 0."
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for key in ("advantage", "loss", "off_policy"):
+            value = data.get(key)
+            if isinstance(value, str):
+                hint = _RENAMED.get((key, value))
+                if hint:
+                    raise ValueError(hint)
+                data[key] = {"type": value}
+            elif isinstance(value, dict) and (key, value.get("type")) in _RENAMED:
+                raise ValueError(_RENAMED[(key, value["type"])])
+        return data
 
 
 class FsdpBackendConfig(Strict):
-    """torch FSDP2 data parallel (gloo on CPU, NCCL on GPU)."""
+    """torch FSDP2 data parallel (gloo on CPU, NCCL on GPU): the same code on both."""
 
     type: Literal["fsdp"] = "fsdp"
     device: str = Field("cpu", description="'cpu' or 'cuda'.")
     threads: int | None = Field(1, description="torch intra-op threads per trainer rank (None: torch default).")
-    micro_batch_size: int | None = Field(
+    param_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Compute dtype of parameters in forward/backward; master weights, optimizer state and gradient "
+        "reduction stay float32 (FSDP2 MixedPrecisionPolicy). bfloat16 is the choice on GPUs.",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each decoder layer's activations in backward instead of keeping them."
+    )
+    micro_batch_tokens: int | None = Field(
         None,
         ge=1,
-        description="Sequences per forward/backward on a rank; gradients accumulate into one optimizer step "
-        "(None: the rank's whole shard at once).",
+        description="Token budget of one forward/backward on a rank (rows x row length, padding included); "
+        "gradients accumulate into one optimizer step. None: the rank's whole shard at once.",
+    )
+    pack_sequences: bool = Field(
+        True,
+        description="Pack several short sequences into one row (position ids restart per sequence, attention "
+        "stays within each) instead of padding every sequence to the longest.",
+    )
+    logprob_chunk_tokens: int = Field(
+        1024,
+        ge=1,
+        description="Tokens whose logits are materialised at once when computing log-probs and entropies "
+        "(the (tokens, vocab) float32 logits of a whole batch are never held).",
     )
 
 
@@ -243,14 +367,14 @@ class LoraConfig(Strict):
 
 class TrainerConfig(Strict):
     backend: BackendConfig = Field(default_factory=FsdpBackendConfig, description="Training backend.")
-    ranks: int = Field(1, ge=1, description="Data-parallel ranks `miles run` starts.")
-    steps: int = Field(40, ge=1, description="Optimizer steps (= policy versions) to train.")
-    groups_per_step: int = Field(8, ge=1, description="Prompt groups per optimizer step.")
+    ranks: int = Field(1, ge=1, description="Trainer ranks `miles run` starts (data-parallel for fsdp).")
+    steps: int = Field(40, ge=1, description="Rollout batches to train on (one published policy version each).")
+    groups_per_step: int = Field(8, ge=1, description="Prompt groups per rollout batch.")
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate (the peak, with a schedule).")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field(
         "constant", description="After warm-up: keep lr, or decay it to lr * min_lr_ratio at the last step."
     )
-    warmup_steps: int = Field(0, ge=0, description="Steps of linear learning-rate warm-up from ~0 to lr.")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear learning-rate warm-up from ~0 to lr.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="End of a cosine/linear decay, as a fraction of lr.")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -259,7 +383,19 @@ class TrainerConfig(Strict):
     lora: LoraConfig | None = Field(
         None, description="Train LoRA adapters on a frozen base instead of all weights (None: full fine-tuning)."
     )
-    eval_every: int = Field(10, ge=0, description="Steps between held-out evaluations (0: only before and after).")
+    eval_every: int = Field(
+        10, ge=0, description="Versions between held-out evaluations, run by rollout workers (0: first and last only)."
+    )
+    checkpoint_every: int = Field(
+        50,
+        ge=1,
+        description="Steps between sharded checkpoints (and one at the end). A crash replays, on the restored "
+        "weights, the trajectories the steps since the last checkpoint consumed (docs/architecture.md).",
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="Complete checkpoints kept (older ones are deleted).")
+    async_checkpoint: bool = Field(
+        True, description="Write checkpoints in the background while training goes on (torch.distributed async save)."
+    )
     seed: int = Field(0, description="Seed of model init and sampling in the trainer.")
 
 
@@ -381,6 +517,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         node = data
         for part in parts[:-1]:
             child = node.setdefault(part, {})
+            if isinstance(child, str):  # a variant given by its type alone ('off_policy: masked_is')
+                child = node[part] = {"type": child}
             if not isinstance(child, dict):
                 raise ConfigError(f"override '{item}': '{part}' is a value, not a section")
             node = child
@@ -388,18 +526,30 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def _variant_tags() -> set[str]:
+    """Every ``type`` tag of a config variant (pydantic puts the tag in an error's location; we drop it)."""
+    tags: set[str] = set()
+    pending: list[type[BaseModel]] = [Strict]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        field = cls.model_fields.get("type")
+        if field is not None and isinstance(field.default, str):
+            tags.add(field.default)
+    return tags
+
+
 def _format_error(err: ValidationError, source: str) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-after"))
     # Discriminated unions put the tag ('tiny', 'fsdp') in the location; drop it for readability.
-    loc = ".".join(
-        p
-        for p in loc.split(".")
-        if p not in {"tiny", "pretrained", "arithmetic", "jsonl", "copy", "torch", "sglang", "fsdp", "megatron"}
-    )
+    loc = ".".join(p for p in loc.split(".") if p not in _variant_tags())
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         msg = "unknown key"
+    elif first["type"] == "union_tag_invalid":
+        ctx = first.get("ctx", {})
+        msg = f"unknown type {ctx.get('tag')!r}; expected one of {ctx.get('expected_tags')}"
     extra = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
     where = f"{loc}: " if loc else ""
     return f"{source}: {where}{msg}{extra}"

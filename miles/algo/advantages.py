@@ -7,10 +7,12 @@ the others of its group, so no value network is needed.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
+
+from miles.algo.registry import Registry
 
 AdvantageKind = Literal["grpo", "grpo_no_std"]
 
@@ -61,3 +63,25 @@ def group_advantages_ragged(
             continue
         out.append(group_advantages(torch.tensor(list(group), dtype=torch.float64), kind, eps).tolist())
     return out
+
+
+class AdvantageEstimator(Protocol):
+    """Rewards of each prompt group (the valid samples only) -> one advantage per sample, same shape.
+
+    It sees the whole rollout batch, so batch-level estimators (a global baseline or normaliser) fit too.
+    """
+
+    def __call__(self, groups: Sequence[Sequence[float]]) -> list[list[float]]: ...
+
+
+ADVANTAGES: Registry[AdvantageEstimator] = Registry("advantage estimator")
+
+
+@ADVANTAGES.register("grpo")
+def _grpo(cfg: Any) -> AdvantageEstimator:
+    return lambda groups: group_advantages_ragged(groups, "grpo", cfg.eps)
+
+
+@ADVANTAGES.register("grpo_no_std")
+def _grpo_no_std(cfg: Any) -> AdvantageEstimator:
+    return lambda groups: group_advantages_ragged(groups, "grpo_no_std")

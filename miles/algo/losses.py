@@ -9,10 +9,13 @@ ranks gives exactly what one rank would compute on the whole batch).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
+
+from miles.algo.registry import Registry
+from miles.algo.segments import num_segments, segment_sum
 
 Aggregation = Literal["token", "sequence"]
 
@@ -47,6 +50,7 @@ def policy_loss(
     ratio_cap: float | None = None,
     num_tokens: float | Tensor | None = None,
     num_sequences: float | Tensor | None = None,
+    seq_index: Tensor | None = None,
 ) -> PolicyLossOutput:
     """PPO-clip loss over masked tokens.
 
@@ -73,6 +77,8 @@ def policy_loss(
             count across data-parallel ranks.
         num_sequences: normaliser of the ``"sequence"`` mean (default: sequences here with at least
             one masked token); pass the global count across ranks.
+        seq_index: ``(B, T)`` sequence of each token when rows are packed with several sequences
+            (:mod:`miles.algo.segments`); default: each row is one sequence.
     """
     if clip_low < 0 or clip_high < 0:
         raise ValueError("clip_low and clip_high must be >= 0")
@@ -103,13 +109,20 @@ def policy_loss(
         pg = pg * token_weights.detach().to(logp.dtype)
 
     tokens = _normaliser(num_tokens, mask.sum(), logp)
-    seq_lengths = mask.sum(dim=1)  # (B,)
+    count = mask.shape[0] if seq_index is None else num_segments(seq_index)
+
+    def per_sequence(per_token: Tensor) -> Tensor:  # (B, T) -> (S,) sums over each sequence's tokens
+        if seq_index is None:
+            return per_token.sum(dim=1)
+        return segment_sum(per_token, seq_index, count)
+
+    seq_lengths = per_sequence(mask)  # (S,)
     sequences = _normaliser(num_sequences, (seq_lengths > 0).sum(), logp)
 
     def aggregate(per_token: Tensor) -> Tensor:
         if aggregation == "token":
             return (per_token * mask).sum() / tokens
-        per_seq = (per_token * mask).sum(dim=1) / seq_lengths.clamp(min=1.0)  # (B,)
+        per_seq = per_sequence(per_token * mask) / seq_lengths.clamp(min=1.0)  # (S,)
         return per_seq.sum() / sequences
 
     def token_mean(per_token: Tensor) -> Tensor:
@@ -147,3 +160,65 @@ def _normaliser(given: float | Tensor | None, local: Tensor, like: Tensor) -> Te
     """The divisor of a mean, never zero (an empty batch gives a zero loss, not NaN)."""
     value = local if given is None else torch.as_tensor(given)
     return value.to(device=like.device, dtype=like.dtype).clamp(min=1.0)
+
+
+@dataclass(slots=True)
+class LossInputs:
+    """Everything a policy loss may use for one micro-batch, every tensor ``(R, L)``.
+
+    ``base_logp`` is what the ratio is taken against (the proximal policy, or the behaviour policy for
+    ``behaviour_ratio``); ``token_weights`` and ``ratio_cap`` come from the off-policy correction.
+    ``num_tokens`` / ``num_sequences`` are the *global* counts of the mini-batch, so the returned loss and
+    metrics are this micro-batch's additive share of the global value.
+    """
+
+    logp: Tensor
+    base_logp: Tensor
+    advantages: Tensor
+    mask: Tensor
+    seq_index: Tensor
+    num_tokens: float
+    num_sequences: float
+    ref_logp: Tensor | None = None
+    entropy: Tensor | None = None
+    token_weights: Tensor | None = None
+    ratio_cap: float | None = None
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+
+
+class PolicyLoss(Protocol):
+    """A policy-gradient loss: :class:`LossInputs` -> loss and metric shares (``loss``, ``pg_loss``,
+    ``clip_frac``, ``ppo_kl``, ``kl_ref``, ``entropy``)."""
+
+    def __call__(self, inputs: LossInputs) -> PolicyLossOutput: ...
+
+
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+
+
+@POLICY_LOSSES.register("ppo_clip")
+def ppo_clip(cfg: Any) -> PolicyLoss:
+    """:func:`policy_loss` with the section's clip bounds and aggregation."""
+
+    def loss(x: LossInputs) -> PolicyLossOutput:
+        return policy_loss(
+            x.logp,
+            x.base_logp,
+            x.advantages,
+            x.mask,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            aggregation=cfg.aggregation,
+            ref_logp=x.ref_logp,
+            kl_coef=x.kl_coef,
+            entropy=x.entropy,
+            entropy_coef=x.entropy_coef,
+            token_weights=x.token_weights,
+            ratio_cap=x.ratio_cap,
+            num_tokens=x.num_tokens,
+            num_sequences=x.num_sequences,
+            seq_index=x.seq_index,
+        )
+
+    return loss

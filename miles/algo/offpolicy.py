@@ -4,130 +4,184 @@ Three policies take part in one training step (docs/staleness.md, "Off-policy co
 
 * the **behaviour** policy ``mu``: the engine weights (and numerics) that sampled the tokens; its
   per-token log-probs travel with the trajectory;
-* the **proximal** policy ``pi_prox``: the trainer's weights before this update, from a no-grad
-  forward (in Miles one ``train_step`` is one optimizer step, so ``pi_prox`` is also where the
-  update starts from);
+* the **proximal** policy ``pi_prox``: the trainer's weights at the start of the rollout batch, from a
+  no-grad forward (with several mini-batches, every mini-batch's ratio is taken against it);
 * the **current** policy ``pi_theta``: the weights being optimised.
 
-With ``k = pi_prox / mu`` per token (computed in log space over masked tokens) the modes are
+With ``k = pi_prox / mu`` per token (in log space, over trained tokens) the built-in corrections
+(``trainer.algo.off_policy.type``) are
 
-* ``"none"``: PPO ratio ``pi_theta / pi_prox``, weight 1 (the behaviour policy is ignored);
-* ``"decoupled_ppo"``: PPO ratio ``pi_theta / pi_prox``, weight ``min(k, tis_clip)`` (AReaL's
-  decoupled objective, with truncation);
-* ``"tis"``: PPO ratio ``min(pi_theta / mu, tis_clip)`` against the behaviour policy, no weight
-  and no proximal policy in the objective;
-* ``"masked_is"``: ratio ``pi_theta / pi_prox``, weight ``k`` if ``mis_low <= k <= mis_high``
-  else 0 (IcePop-style masking that keeps the ratio);
-* ``"sequence"``: ratio ``pi_theta / pi_prox``, weight ``min(prod_t k_t, tis_clip)`` per sequence,
-  broadcast to its tokens.
+* ``none``: PPO ratio ``pi_theta / pi_prox``, weight 1 (the behaviour policy is ignored);
+* ``decoupled_ppo``: PPO ratio ``pi_theta / pi_prox``, weight ``min(k, clip)`` (AReaL's decoupled
+  objective with truncation; what slime and verl call TIS);
+* ``behaviour_ratio``: PPO ratio ``min(pi_theta / mu, cap)`` against the behaviour policy, no weight and
+  no proximal policy in the objective (the former ``tis``);
+* ``masked_is``: ratio ``pi_theta / pi_prox``, weight ``k`` if ``low <= k <= high`` else 0 (IcePop);
+* ``sequence``: ratio ``pi_theta / pi_prox``, weight ``min(prod_t k_t, clip)`` per sequence, on its tokens.
 
-Everything here is a pure function of token tensors. The statistics come back as additive sums so
-that a data-parallel backend can add them over micro-batches and ranks and only then turn them into
-means (:func:`summarize`), which keeps them exact under any sharding.
+Everything is a pure function of token tensors. The statistics come back as additive sums so that a
+backend can add them over micro-batches and ranks and only then turn them into means (:func:`summarize`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal, Protocol, get_args
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-OffPolicyMode = Literal["none", "tis", "masked_is", "sequence", "decoupled_ppo"]
-OFF_POLICY_MODES: tuple[str, ...] = get_args(OffPolicyMode)
+from miles.algo.registry import Registry
+from miles.algo.segments import broadcast, num_segments, rows_as_sequences, segment_sum
 
-# Keys of the additive sums returned by importance_weights (all over masked tokens).
+# Keys of the additive sums every correction returns (all over trained tokens).
 SUM_KEYS = ("is_tokens", "is_abs_log_ratio", "is_k3", "is_weight", "is_weight_sq", "is_clipped")
 # Keys of the per-step metrics summarize() derives from them.
 METRIC_KEYS = ("logp_mismatch", "behaviour_kl", "is_weight_mean", "is_ess", "is_clipped_frac")
 
 
-class OffPolicyParams(Protocol):
-    """The knobs read here (``miles.config.AlgoConfig`` has them)."""
+@dataclass(slots=True)
+class CorrectionOutput:
+    """How a correction shapes the objective of one micro-batch.
 
-    tis_clip: float
-    mis_low: float
-    mis_high: float
-
-
-def ratio_base(mode: str, prox_logp: Tensor, behaviour_logp: Tensor) -> Tensor:
-    """The log-probs the PPO ratio is taken against: the behaviour policy for ``"tis"``, else the proximal one."""
-    _check_mode(mode)
-    return behaviour_logp if mode == "tis" else prox_logp
-
-
-def ratio_cap(mode: str, cfg: OffPolicyParams) -> float | None:
-    """Upper truncation of the PPO ratio itself (``policy_loss(ratio_cap=...)``): ``tis_clip`` for ``"tis"``."""
-    _check_mode(mode)
-    return float(cfg.tis_clip) if mode == "tis" else None
-
-
-def importance_weights(
-    mode: str, prox_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, cfg: OffPolicyParams
-) -> tuple[Tensor | None, dict[str, Tensor]]:
-    """Per-token importance weights of ``mode`` and this batch's additive mismatch statistics.
-
-    Args:
-        mode: one of :data:`OFF_POLICY_MODES`.
-        prox_logp: ``(B, T)`` proximal log-probs of the taken tokens (treated as constants).
-        behaviour_logp: ``(B, T)`` behaviour (engine) log-probs of the same tokens.
-        mask: ``(B, T)`` 1 on trained tokens; weights and statistics ignore the rest.
-        cfg: ``tis_clip``, ``mis_low``, ``mis_high``.
-
-    Returns:
-        ``(token_weights, sums)``. ``token_weights`` is a detached ``(B, T)`` tensor (0 off the
-        mask) to pass to ``policy_loss(token_weights=...)``, or ``None`` for ``"none"`` and
-        ``"tis"`` (whose correction, if any, is in the ratio: see :func:`ratio_base`,
-        :func:`ratio_cap`). ``sums`` maps each of :data:`SUM_KEYS` to a 0-d float64 tensor:
-
-        * ``is_tokens``: masked tokens ``N``;
-        * ``is_abs_log_ratio``: ``sum |log k|``;
-        * ``is_k3``: ``sum (k - 1 - log k)``, the k3 estimator of ``KL(mu || pi_prox)`` from tokens
-          sampled by ``mu`` (unbiased, non-negative);
-        * ``is_weight``, ``is_weight_sq``: ``sum w`` and ``sum w^2`` of the effective weights ``w``:
-          the token weights, 1 for ``"none"``, and ``min(k, tis_clip)`` for ``"tis"`` (its ratio at
-          the start of the step, where ``pi_theta = pi_prox``);
-        * ``is_clipped``: tokens whose weight was masked to 0 or truncated.
+    ``ratio_base``: the log-probs the PPO ratio is taken against; ``ratio_cap``: truncation of the ratio
+    itself (``policy_loss(ratio_cap=...)``); ``token_weights``: detached ``(R, L)`` multipliers of the
+    policy-gradient term (0 off the mask), or None; ``sums``: this micro-batch's :data:`SUM_KEYS`.
     """
-    _check_mode(mode)
-    with torch.no_grad():
-        on = mask.detach() > 0  # (B, T)
-        log_k = torch.where(on, prox_logp.detach() - behaviour_logp.detach(), 0.0)  # (B, T)
-        k = torch.exp(log_k)  # (B, T), 1 off the mask
-        if mode == "none":
-            weights = torch.ones_like(k)
-            clipped = torch.zeros_like(on)
-        elif mode in ("tis", "decoupled_ppo"):
-            weights = k.clamp(max=cfg.tis_clip)
-            clipped = k > cfg.tis_clip
-        elif mode == "masked_is":
-            keep = (k >= cfg.mis_low) & (k <= cfg.mis_high)
-            weights = torch.where(keep, k, 0.0)
-            clipped = ~keep
-        else:  # "sequence": the product of the token ratios is the sequence's likelihood ratio
-            seq_k = torch.exp(log_k.sum(dim=1, keepdim=True))  # (B, 1)
-            weights = seq_k.clamp(max=cfg.tis_clip).expand_as(k)
-            clipped = (seq_k > cfg.tis_clip).expand_as(k)
-        weights = torch.where(on, weights, 0.0)  # (B, T)
-        clipped = clipped & on
 
-        log_k64, w64 = log_k.double(), weights.double()  # sums in float64, so that they stay exact at scale
-        k64 = torch.exp(log_k64)
-        sums = {
-            "is_tokens": on.sum(dtype=torch.float64),
-            "is_abs_log_ratio": log_k64.abs().sum(),
-            "is_k3": torch.where(on, k64 - 1.0 - log_k64, 0.0).sum(),
-            "is_weight": w64.sum(),
-            "is_weight_sq": w64.square().sum(),
-            "is_clipped": clipped.sum(dtype=torch.float64),
-        }
-        token_weights = None if mode in ("none", "tis") else weights
-    return token_weights, sums
+    ratio_base: Tensor
+    ratio_cap: float | None
+    token_weights: Tensor | None
+    sums: dict[str, Tensor]
+
+
+class OffPolicyCorrection(Protocol):
+    """``(prox_logp, behaviour_logp, mask, seq_index) -> CorrectionOutput``, tensors ``(R, L)``."""
+
+    def __call__(
+        self, prox_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, seq_index: Tensor
+    ) -> CorrectionOutput: ...
+
+
+CORRECTIONS: Registry[OffPolicyCorrection] = Registry("off-policy correction")
+
+
+def _stats(log_k: Tensor, on: Tensor, weights: Tensor, clipped: Tensor) -> dict[str, Tensor]:
+    """The additive mismatch statistics, in float64 so that the sums stay exact at scale.
+
+    * ``is_tokens``: trained tokens ``N``; ``is_abs_log_ratio``: ``sum |log k|``;
+    * ``is_k3``: ``sum (k - 1 - log k)``, the k3 estimator of ``KL(mu || pi_prox)`` (unbiased, >= 0);
+    * ``is_weight``, ``is_weight_sq``: ``sum w`` and ``sum w^2`` of the effective weights (for
+      ``behaviour_ratio``, ``min(k, cap)``: its ratio at the start of the step, where ``pi_theta = pi_prox``);
+    * ``is_clipped``: tokens whose weight was masked to 0 or truncated.
+    """
+    log_k64, w64 = log_k.double(), weights.double()
+    k64 = torch.exp(log_k64)
+    return {
+        "is_tokens": on.sum(dtype=torch.float64),
+        "is_abs_log_ratio": log_k64.abs().sum(),
+        "is_k3": torch.where(on, k64 - 1.0 - log_k64, 0.0).sum(),
+        "is_weight": w64.sum(),
+        "is_weight_sq": w64.square().sum(),
+        "is_clipped": (clipped & on).sum(dtype=torch.float64),
+    }
+
+
+def _log_k(prox_logp: Tensor, behaviour_logp: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    on = mask.detach() > 0  # (R, L)
+    return torch.where(on, prox_logp.detach() - behaviour_logp.detach(), 0.0), on
+
+
+def _token_correction(
+    prox_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, weight_fn: Any, *, as_weights: bool = True
+) -> CorrectionOutput:
+    with torch.no_grad():
+        log_k, on = _log_k(prox_logp, behaviour_logp, mask)
+        weights, clipped = weight_fn(torch.exp(log_k))  # (R, L) each
+        weights = torch.where(on, weights, 0.0)
+        sums = _stats(log_k, on, weights, clipped)
+    return CorrectionOutput(prox_logp, None, weights if as_weights else None, sums)
+
+
+@CORRECTIONS.register("none")
+def _none(cfg: Any) -> OffPolicyCorrection:
+    def correct(prox: Tensor, behaviour: Tensor, mask: Tensor, seq_index: Tensor) -> CorrectionOutput:
+        return _token_correction(
+            prox,
+            behaviour,
+            mask,
+            lambda k: (torch.ones_like(k), torch.zeros_like(k, dtype=torch.bool)),
+            as_weights=False,
+        )
+
+    return correct
+
+
+@CORRECTIONS.register("decoupled_ppo")
+def _decoupled_ppo(cfg: Any) -> OffPolicyCorrection:
+    clip = float(cfg.clip)
+
+    def correct(prox: Tensor, behaviour: Tensor, mask: Tensor, seq_index: Tensor) -> CorrectionOutput:
+        return _token_correction(prox, behaviour, mask, lambda k: (k.clamp(max=clip), k > clip))
+
+    return correct
+
+
+@CORRECTIONS.register("behaviour_ratio")
+def _behaviour_ratio(cfg: Any) -> OffPolicyCorrection:
+    cap = float(cfg.cap)
+
+    def correct(prox: Tensor, behaviour: Tensor, mask: Tensor, seq_index: Tensor) -> CorrectionOutput:
+        out = _token_correction(prox, behaviour, mask, lambda k: (k.clamp(max=cap), k > cap), as_weights=False)
+        return CorrectionOutput(behaviour, cap, None, out.sums)
+
+    return correct
+
+
+@CORRECTIONS.register("masked_is")
+def _masked_is(cfg: Any) -> OffPolicyCorrection:
+    low, high = float(cfg.low), float(cfg.high)
+
+    def weights(k: Tensor) -> tuple[Tensor, Tensor]:
+        keep = (k >= low) & (k <= high)
+        return torch.where(keep, k, 0.0), ~keep
+
+    def correct(prox: Tensor, behaviour: Tensor, mask: Tensor, seq_index: Tensor) -> CorrectionOutput:
+        return _token_correction(prox, behaviour, mask, weights)
+
+    return correct
+
+
+@CORRECTIONS.register("sequence")
+def _sequence(cfg: Any) -> OffPolicyCorrection:
+    clip = float(cfg.clip)
+
+    def correct(prox: Tensor, behaviour: Tensor, mask: Tensor, seq_index: Tensor) -> CorrectionOutput:
+        with torch.no_grad():
+            log_k, on = _log_k(prox, behaviour, mask)
+            # The product of the token ratios is the sequence's likelihood ratio.
+            seq_k = torch.exp(segment_sum(log_k, seq_index, num_segments(seq_index)))  # (S,)
+            per_token = broadcast(seq_k, seq_index)  # (R, L)
+            weights = torch.where(on, per_token.clamp(max=clip), 0.0)
+            sums = _stats(log_k, on, weights, per_token > clip)
+        return CorrectionOutput(prox, None, weights, sums)
+
+    return correct
+
+
+def build_correction(cfg: Any) -> OffPolicyCorrection:
+    """The correction of a ``trainer.algo.off_policy`` section."""
+    return CORRECTIONS.build(cfg)
+
+
+def correct_rows(correction: OffPolicyCorrection, prox: Tensor, behaviour: Tensor, mask: Tensor) -> CorrectionOutput:
+    """Apply a correction to an unpacked batch (each row one sequence)."""
+    return correction(prox, behaviour, mask, rows_as_sequences(mask))
 
 
 def summarize(sums: Mapping[str, float]) -> dict[str, float]:
-    """Per-step metrics from sums of :func:`importance_weights` (added over micro-batches and ranks).
+    """Per-step metrics from the sums of a correction (added over micro-batches and ranks).
 
     * ``logp_mismatch``: mean ``|log pi_prox - log mu|``;
     * ``behaviour_kl``: mean k3 estimate of ``KL(mu || pi_prox)``;
@@ -147,8 +201,3 @@ def summarize(sums: Mapping[str, float]) -> dict[str, float]:
         "is_ess": sum_w * sum_w / (n * sum_w2) if sum_w2 > 0 else 0.0,
         "is_clipped_frac": float(sums["is_clipped"]) / n,
     }
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in OFF_POLICY_MODES:
-        raise ValueError(f"unknown off-policy mode {mode!r}; expected one of {OFF_POLICY_MODES}")

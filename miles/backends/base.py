@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -76,10 +76,34 @@ class MicroBatch:
     loss_mask: Tensor  # (R, L) float
     seq_index: Tensor  # (R, L) long
     tensors: dict[str, Tensor] = field(default_factory=dict)  # each (R, L) float
+    spans: list[SampleSpan] = field(default_factory=list)  # where each packed sample's completion sits
 
     @property
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences with at least one trained token (the per-sequence normaliser's share)."""
+        return sum(1 for span in self.spans if span.trained)
+
+    def per_sample(self, values: Tensor) -> dict[int, list[float]]:
+        """An ``(R, L)`` per-position tensor cut back to each sample's completion tokens (by sample index):
+        ``values[r, t]`` belongs to the token the position predicts, so the list has one entry per token."""
+        rows = values.detach().cpu()
+        return {s.sample: rows[s.row, s.start : s.start + s.length].tolist() for s in self.spans}
+
+
+@dataclass(frozen=True, slots=True)
+class SampleSpan:
+    """Sample ``sample`` (index into the list that was packed) predicts its ``length`` completion tokens
+    from positions ``start .. start + length - 1`` of row ``row``; ``trained``: any of them has loss mask 1."""
+
+    sample: int
+    row: int
+    start: int
+    length: int
+    trained: bool
 
 
 @dataclass(slots=True)
@@ -109,7 +133,9 @@ class TrainBackend(Protocol):
         off). Computed in chunks: the ``(R, L, V)`` logits are never materialised in float32 at once."""
         ...
 
-    def forward_backward(self, batches: list[MicroBatch], loss_fn: LossFn, *, entropy: bool = False) -> dict[str, float]:
+    def forward_backward(
+        self, batches: list[MicroBatch], loss_fn: LossFn, *, entropy: bool = False
+    ) -> dict[str, float]:
         """Accumulate gradients of ``sum(loss_fn(outputs, mb))`` over ``batches``; returns the summed metrics
         of this rank (the caller reduces them). ``loss_fn`` must return shares of the global loss (it
         normalises by global counts), so summing over ranks and micro-batches gives the batch loss."""
@@ -120,8 +146,9 @@ class TrainBackend(Protocol):
         gradients; returns the global grad norm before clipping."""
         ...
 
-    def all_reduce_sum(self, values: list[float]) -> list[float]:
-        """Sums over the data-parallel ranks (counts for global normalisers, metrics)."""
+    def all_reduce(self, values: list[float], op: Literal["sum", "max"] = "sum") -> list[float]:
+        """Sums (or maxima) over the data-parallel ranks: counts for global normalisers, metrics, and the
+        number of micro-batches every rank must run."""
         ...
 
     def export_params(self, *, adapter_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:

@@ -10,18 +10,12 @@ import torch
 from pydantic import ValidationError
 
 from miles.algo.losses import policy_loss
-from miles.algo.offpolicy import (
-    METRIC_KEYS,
-    OFF_POLICY_MODES,
-    SUM_KEYS,
-    importance_weights,
-    ratio_base,
-    ratio_cap,
-    summarize,
-)
-from miles.config import AlgoConfig
+from miles.algo.offpolicy import METRIC_KEYS, SUM_KEYS, build_correction, correct_rows, summarize
+from miles.algo.registry import AlgoConfigError
+from miles.config import AlgoConfig, ConfigError, load_config
 
-CFG = SimpleNamespace(tis_clip=2.0, mis_low=0.5, mis_high=2.0)
+OFF_POLICY_MODES = ("none", "behaviour_ratio", "masked_is", "sequence", "decoupled_ppo")
+CFG = SimpleNamespace(clip=2.0, low=0.5, high=2.0)
 CLIP = {"clip_low": 0.2, "clip_high": 0.28}
 F64 = torch.float64
 
@@ -36,9 +30,28 @@ def _logps(ratios: list[list[float]] = RATIOS) -> tuple[torch.Tensor, torch.Tens
     return prox, behaviour
 
 
-def _weights(mode: str, cfg: object = CFG) -> tuple[torch.Tensor | None, dict[str, float]]:
+def _correction(mode: str, cfg: SimpleNamespace = CFG):  # type: ignore[no-untyped-def]
+    """The registered correction ``mode`` with the bounds of ``cfg`` (``cap`` for behaviour_ratio is its clip)."""
+    return build_correction(SimpleNamespace(type=mode, cap=cfg.clip, **vars(cfg)))
+
+
+def importance_weights(mode: str, prox, behaviour, mask, cfg=CFG):  # type: ignore[no-untyped-def]
+    out = correct_rows(_correction(mode, cfg), prox, behaviour, mask)
+    return out.token_weights, out.sums
+
+
+def ratio_base(mode: str, prox, behaviour):  # type: ignore[no-untyped-def]
+    return correct_rows(_correction(mode), prox, behaviour, torch.ones_like(prox)).ratio_base
+
+
+def ratio_cap(mode: str, cfg=CFG):  # type: ignore[no-untyped-def]
+    prox = torch.zeros(1, 1)
+    return correct_rows(_correction(mode, cfg), prox, prox, torch.ones(1, 1)).ratio_cap
+
+
+def _weights(mode: str, cfg: SimpleNamespace = CFG) -> tuple[torch.Tensor | None, dict[str, float]]:
     prox, behaviour = _logps()
-    weights, sums = importance_weights(mode, prox, behaviour, MASK, cfg)  # type: ignore[arg-type]
+    weights, sums = importance_weights(mode, prox, behaviour, MASK, cfg)
     assert set(sums) == set(SUM_KEYS)
     return weights, {k: float(v) for k, v in sums.items()}
 
@@ -62,13 +75,13 @@ def test_decoupled_ppo_truncates_token_ratios() -> None:
     assert sums["is_weight"] == pytest.approx(1 + 2 + 0.25 + 1.5 + 0.8 + 1.25)
 
 
-def test_tis_moves_the_correction_into_the_ratio() -> None:
-    weights, sums = _weights("tis")
+def test_behaviour_ratio_moves_the_correction_into_the_ratio() -> None:
+    weights, sums = _weights("behaviour_ratio")
     assert weights is None  # no extra weight: the ratio is pi_theta / pi_behaviour, truncated
     _, decoupled = _weights("decoupled_ppo")
     assert sums == pytest.approx(decoupled)  # its effective weight at the step start is min(k, clip)
     prox, behaviour = _logps()
-    assert ratio_base("tis", prox, behaviour) is behaviour and ratio_cap("tis", CFG) == 2.0  # type: ignore[arg-type]
+    assert ratio_base("behaviour_ratio", prox, behaviour) is behaviour and ratio_cap("behaviour_ratio", CFG) == 2.0  # type: ignore[arg-type]
     for mode in ("none", "masked_is", "sequence", "decoupled_ppo"):
         assert ratio_base(mode, prox, behaviour) is prox and ratio_cap(mode, CFG) is None  # type: ignore[arg-type]
 
@@ -88,7 +101,7 @@ def test_sequence_weights_are_truncated_products_broadcast_to_tokens() -> None:
     expected = torch.tensor([[1.125] * 4, [1.0, 1.0, 0.0, 0.0]], dtype=F64)
     torch.testing.assert_close(weights, expected)
     assert sums["is_clipped"] == 0
-    weights, sums = _weights("sequence", SimpleNamespace(tis_clip=1.1, mis_low=0.5, mis_high=2.0))
+    weights, sums = _weights("sequence", SimpleNamespace(clip=1.1, low=0.5, high=2.0))
     assert weights is not None
     torch.testing.assert_close(weights, torch.tensor([[1.1] * 4, [1.0, 1.0, 0.0, 0.0]], dtype=F64))
     assert sums["is_clipped"] == 4  # every token of the truncated sequence
@@ -102,10 +115,8 @@ def test_weights_are_detached_and_keep_the_dtype() -> None:
 
 def test_unknown_mode_raises() -> None:
     prox, behaviour = _logps()
-    with pytest.raises(ValueError, match="off-policy mode"):
-        importance_weights("vtrace", prox, behaviour, MASK, CFG)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="off-policy mode"):
-        ratio_base("vtrace", prox, behaviour)
+    with pytest.raises(AlgoConfigError, match="unknown off-policy correction 'vtrace'"):
+        importance_weights("vtrace", prox, behaviour, MASK, CFG)
 
 
 # --------------------------------------------------------------------------- metrics
@@ -201,22 +212,22 @@ def test_masked_tokens_get_zero_gradient() -> None:
     assert logp.grad[1, 1].item() == pytest.approx(1.25 / 6)
 
 
-def test_tis_is_decoupled_ppo_at_the_step_start_except_for_the_clip() -> None:
-    """At pi_theta = pi_prox the 'tis' ratio is k: its gradient is -A min(k, clip) like 'decoupled_ppo', except
+def test_behaviour_ratio_is_decoupled_ppo_at_the_step_start_except_for_the_clip() -> None:
+    """At pi_theta = pi_prox the 'behaviour_ratio' ratio is k: its gradient is -A min(k, clip) like 'decoupled_ppo', except
     on tokens the PPO clip (or the truncation) cuts: A > 0 with k > 1 + clip_high, A < 0 with k < 1 - clip_low
     or k > tis_clip."""
     prox, behaviour = _logps()
     grads = {}
-    for mode in ("tis", "decoupled_ppo"):
+    for mode in ("behaviour_ratio", "decoupled_ppo"):
         logp = prox.clone().requires_grad_(True)
         out = _loss(mode, logp, prox, behaviour)
         out.loss.backward()
         grads[mode] = logp.grad
-    # row 0 (A = +1): k = [1, 3, 0.25, 1.5] -> 'tis' clips 3 and 1.5 (> 1.28)
+    # row 0 (A = +1): k = [1, 3, 0.25, 1.5] -> 'behaviour_ratio' clips 3 and 1.5 (> 1.28)
     torch.testing.assert_close(grads["decoupled_ppo"][0], torch.tensor([-1, -2, -0.25, -1.5], dtype=F64) / 6)
-    torch.testing.assert_close(grads["tis"][0], torch.tensor([-1, 0, -0.25, 0], dtype=F64) / 6)
+    torch.testing.assert_close(grads["behaviour_ratio"][0], torch.tensor([-1, 0, -0.25, 0], dtype=F64) / 6)
     # row 1 (A = -1): k = [0.8, 1.25] are inside [0.8, 2]: identical
-    torch.testing.assert_close(grads["tis"][1], grads["decoupled_ppo"][1])
+    torch.testing.assert_close(grads["behaviour_ratio"][1], grads["decoupled_ppo"][1])
 
 
 def test_ratio_cap_is_dual_clip_for_negative_advantages() -> None:
@@ -234,9 +245,41 @@ def test_ratio_cap_is_dual_clip_for_negative_advantages() -> None:
 
 
 def test_config_modes_and_bounds() -> None:
-    assert AlgoConfig().off_policy == "decoupled_ppo"  # the former 'tis' default, unchanged numerically
+    assert AlgoConfig().off_policy.type == "decoupled_ppo"
     for mode in OFF_POLICY_MODES:
-        AlgoConfig(off_policy=mode)  # type: ignore[arg-type]
-    for bad in ({"mis_low": 1.5}, {"mis_high": 0.9}, {"tis_clip": 0.5}, {"off_policy": "vtrace"}):
+        assert AlgoConfig(off_policy=mode).off_policy.type == mode  # type: ignore[arg-type]  # shorthand
+    bad = (
+        {"type": "masked_is", "low": 1.5},
+        {"type": "masked_is", "high": 0.9},
+        {"type": "decoupled_ppo", "clip": 0.5},
+    )
+    for section in (*bad, "vtrace"):
         with pytest.raises(ValidationError):
-            AlgoConfig(**bad)  # type: ignore[arg-type]
+            AlgoConfig(off_policy=section)  # type: ignore[arg-type]
+
+
+def test_the_old_tis_name_is_refused_with_a_hint() -> None:
+    with pytest.raises(ConfigError, match="'tis' was renamed: 'behaviour_ratio'"):
+        load_config(None, ["trainer.algo.off_policy=tis"])
+    with pytest.raises(ConfigError, match="'tis' was renamed"):
+        load_config(None, ["trainer.algo.off_policy.type=tis"])
+
+
+def test_a_users_correction_by_import_path() -> None:
+    algo = AlgoConfig(off_policy={"type": "custom", "path": "tests.unit.test_offpolicy:halving", "params": {"f": 0.5}})
+    out = correct_rows(build_correction(algo.off_policy), *_logps(), MASK)
+    torch.testing.assert_close(out.token_weights, MASK.to(F64) * 0.5)
+    with pytest.raises(AlgoConfigError, match="cannot import module"):
+        build_correction(AlgoConfig(off_policy={"type": "custom", "path": "no_such_mod:f"}).off_policy)
+
+
+def halving(cfg):  # type: ignore[no-untyped-def]
+    """A user's correction: every trained token weighted by params.f (for the import-path test)."""
+    inner = build_correction(SimpleNamespace(type="none"))
+
+    def correct(prox, behaviour, mask, seq_index):  # type: ignore[no-untyped-def]
+        out = inner(prox, behaviour, mask, seq_index)
+        out.token_weights = mask.to(prox.dtype) * cfg.params["f"]
+        return out
+
+    return correct

@@ -1,56 +1,76 @@
-"""Right-padded layout of prompt + output, and micro-batch padding across ranks."""
+"""Packing episodes into micro-batches: layout, masks, data-parallel shards, micro-batch budgets."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from miles.backends.base import TrainSample
-from miles.backends.packing import micro_batches, num_micro_batches, pack
+from miles.training.packing import pack_micro_batches, pad_to, shard_for_data_parallel
 
 
-def _sample(prompt: list[int], output: list[int], adv: float = 1.0) -> TrainSample:
-    return TrainSample(prompt, output, [-0.5 * (i + 1) for i in range(len(output))], adv, 0)
+def _sample(prompt: list[int], tokens: list[int], mask: list[int] | None = None, adv: float = 1.0) -> TrainSample:
+    mask = [1] * len(tokens) if mask is None else mask
+    return TrainSample(prompt, tokens, mask, [-0.5 * (i + 1) * m for i, m in enumerate(mask)], adv)
 
 
-def test_layout() -> None:
-    batch = pack([_sample([1, 2], [3, 4, 5], 2.0), _sample([6, 7, 8], [9], -1.0)], pad_token_id=0)
-    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 0]]
-    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
-    assert batch.targets.tolist() == [[2, 3, 4, 5], [7, 8, 9, 0]]
-    # targets that are output tokens: row 0 -> 3, 4, 5; row 1 -> 9
-    assert batch.loss_mask.tolist() == [[0, 1, 1, 1], [0, 0, 1, 0]]
-    assert batch.behaviour_logp.tolist() == [[0, -0.5, -1.0, -1.5], [0, 0, -0.5, 0]]
-    assert batch.advantages.tolist() == [2.0, -1.0]
-    assert (batch.num_tokens, batch.num_sequences) == (4, 2)
-    assert batch.per_sample(batch.behaviour_logp) == [[-0.5, -1.0, -1.5], [-0.5]]
+def test_unpacked_layout() -> None:
+    (mb,) = pack_micro_batches(
+        [_sample([1, 2], [3, 4, 5], adv=2.0), _sample([6, 7, 8], [9], adv=-1.0)], pad_id=0, pack=False
+    )
+    assert mb.input_ids.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 0]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 0]]
+    assert mb.targets.tolist() == [[2, 3, 4, 5, 0], [7, 8, 9, 0, 0]]
+    # position t predicts the next token: completion tokens 3, 4, 5 at positions 1..3; 9 at position 2
+    assert mb.loss_mask.tolist() == [[0, 1, 1, 1, 0], [0, 0, 1, 0, 0]]
+    assert mb.seq_index.tolist() == [[0, 0, 0, 0, -1], [1, 1, 1, -1, -1]]
+    assert mb.tensors["advantages"].tolist() == [[0, 2, 2, 2, 0], [0, 0, -1, 0, 0]]
+    assert mb.tensors["behaviour_logp"].tolist() == [[0, -0.5, -1.0, -1.5, 0], [0, 0, -0.5, 0, 0]]
+    assert (mb.num_tokens, mb.num_sequences) == (4, 2)
+    assert mb.per_sample(mb.tensors["behaviour_logp"]) == {0: [-0.5, -1.0, -1.5], 1: [-0.5]}
 
 
-def test_empty_output_and_empty_batch() -> None:
-    batch = pack([_sample([1], []), _sample([1], [2])], pad_token_id=0)
-    assert (batch.num_tokens, batch.num_sequences) == (1, 1)
-    assert batch.per_sample(batch.loss_mask) == [[], [1.0]]
-    dummy = pack([], pad_token_id=0)
-    assert dummy.loss_mask.sum() == 0 and dummy.attention_mask.all()
-    assert (dummy.num_tokens, dummy.num_sequences) == (0, 0)
+def test_packed_rows_keep_sequences_apart() -> None:
+    samples = [_sample([1, 2], [3, 4, 5, 6]), _sample([7], [8]), _sample([9], [10, 11])]
+    (mb,) = pack_micro_batches(samples, pad_id=0)
+    # the longest (6 tokens) fills a row; the two short ones share the second row
+    assert mb.input_ids.tolist() == [[1, 2, 3, 4, 5, 6], [9, 10, 11, 7, 8, 0]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 0]]
+    assert mb.targets.tolist()[1] == [10, 11, 0, 8, 0, 0]  # a sequence's last position predicts nothing
+    assert mb.seq_index.tolist()[1] == [1, 1, -1, 2, -1, -1]
+    assert mb.loss_mask.tolist()[1] == [1, 1, 0, 1, 0, 0]
+    assert mb.per_sample(mb.targets.float()) == {0: [3, 4, 5, 6], 2: [10, 11], 1: [8]}
 
 
-def test_rejects_inconsistent_samples() -> None:
-    with pytest.raises(ValueError, match="behaviour"):
-        pack([TrainSample([1], [2, 3], [-1.0], 1.0, 0)], pad_token_id=0)
-    scoring = pack([TrainSample([1], [2, 3], [], 0.0, 0)], pad_token_id=0, require_behaviour=False)
-    assert scoring.behaviour_logp.tolist() == [[0.0, 0.0]]
-    with pytest.raises(ValueError, match="empty prompt"):
-        pack([TrainSample([], [2], [-1.0], 1.0, 0)], pad_token_id=0)
+def test_environment_tokens_are_not_trained() -> None:
+    (mb,) = pack_micro_batches([_sample([1], [2, 3, 4, 5], mask=[1, 0, 0, 1])], pad_id=0)
+    assert mb.loss_mask.tolist() == [[1, 0, 0, 1, 0]]
+    assert mb.tensors["behaviour_logp"].tolist() == [[-0.5, 0, 0, -2.0, 0]]
+    assert mb.tensors["advantages"].tolist() == [[1, 1, 1, 1, 0]]  # masked anyway
 
 
-def test_micro_batches_pad_to_common_count() -> None:
-    samples = [_sample([1], [2]) for _ in range(5)]
-    assert [len(c) for c in micro_batches(samples, 2)] == [2, 2, 1]
-    assert [len(c) for c in micro_batches(samples, 2, count=4)] == [2, 2, 1, 0]
-    assert [len(c) for c in micro_batches(samples, None)] == [5]
-    assert [len(c) for c in micro_batches([], 3, count=2)] == [0, 0]
-    assert num_micro_batches(5, 2) == 3 and num_micro_batches(0, 2) == 1 and num_micro_batches(7, None) == 1
+def test_token_budget_and_padding_to_a_common_count() -> None:
+    samples = [_sample([1], [2, 3]) for _ in range(5)]  # 3 tokens each
+    batches = pack_micro_batches(samples, pad_id=0, token_budget=6, pack=False)
+    assert [mb.input_ids.shape[0] for mb in batches] == [2, 2, 1]
+    padded = pad_to(batches, 4, pad_id=0)
+    assert len(padded) == 4 and padded[-1].num_tokens == 0 and padded[-1].num_sequences == 0
+    assert pack_micro_batches([], pad_id=0) == []
     with pytest.raises(ValueError):
-        micro_batches(samples, 2, count=2)
-    assert isinstance(pack(micro_batches(samples, 2)[0], 0).input_ids, torch.Tensor)
+        pad_to(batches, 2, pad_id=0)
+
+
+def test_data_parallel_shards_balance_tokens() -> None:
+    samples = [_sample([1], [2] * n) for n in (9, 1, 1, 1, 5, 4)]
+    shards = shard_for_data_parallel(samples, 2)
+    loads = [sum(len(s.prompt_ids) + len(s.token_ids) for s in shard) for shard in shards]
+    assert sorted(loads) == [13, 14] and sum(len(s) for s in shards) == 6
+    assert shard_for_data_parallel(samples[:1], 3)[1:] == [[], []]
+
+
+def test_inconsistent_samples_are_refused() -> None:
+    with pytest.raises(ValueError, match="loss_mask"):
+        TrainSample([1], [2, 3], [1], [0.0, 0.0])
+    with pytest.raises(ValueError, match="behaviour"):
+        TrainSample([1], [2, 3], [1, 1], [0.0])
+    with pytest.raises(ValueError, match="empty prompt"):
+        TrainSample([], [2], [1], [0.0])

@@ -1,0 +1,106 @@
+"""One RL step on one trainer rank, the same for every backend.
+
+Given this rank's share of a rollout batch (advantages already computed), :class:`RLStep`:
+
+1. packs each of its mini-batches (:func:`plan_batch` splits a rollout batch into
+   ``trainer.algo.minibatches`` of them, then over the data-parallel ranks) into micro-batches, padded so
+   that every data-parallel rank runs the same number (collectives must match);
+2. scores the proximal policy (the weights at the start of the batch) and, for a KL term, the reference,
+   without gradients;
+3. per mini-batch: gets the global token and sequence counts, lets the backend accumulate gradients of the
+   objective's loss function over its micro-batches, and takes one optimizer step;
+4. reduces the metrics over ranks.
+
+Several mini-batches make several optimizer steps against one proximal policy, so the PPO ratio moves
+away from 1 and its clip acts; with one mini-batch the ratio is exactly 1 at the forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+import torch
+
+from miles.algo.objective import Objective
+from miles.backends.base import MicroBatch, TrainBackend, TrainSample
+from miles.backends.lr_schedule import lr_at
+from miles.training.packing import pack_micro_batches, pad_to, shard_for_data_parallel
+
+log = structlog.get_logger(__name__)
+
+
+def split_minibatches(samples: Sequence[TrainSample], count: int) -> list[list[TrainSample]]:
+    """Round-robin split, so every mini-batch mixes the batch's groups."""
+    return [list(samples[i::count]) for i in range(count)]
+
+
+def plan_batch(samples: Sequence[TrainSample], minibatches: int, dp_size: int) -> list[list[list[TrainSample]]]:
+    """``plan[dp_rank][minibatch]``: the global batch split into mini-batches first, then each mini-batch over
+    the data-parallel ranks, so the optimisation does not depend on the number of ranks."""
+    minis = [shard_for_data_parallel(m, dp_size) for m in split_minibatches(samples, minibatches)]
+    return [[mini[rank] for mini in minis] for rank in range(dp_size)]
+
+
+class RLStep:
+    """Runs steps of the objective on a backend. ``steps_done`` counts optimizer steps (checkpointed: the
+    learning-rate schedule's clock)."""
+
+    def __init__(self, backend: TrainBackend, trainer_cfg: Any, *, pad_id: int, device: str = "cpu") -> None:
+        self.backend = backend
+        self.cfg = trainer_cfg
+        self.objective = Objective(trainer_cfg.algo)
+        self.pad_id = pad_id
+        self.device = device
+        self.steps_done = 0
+        backend_cfg = trainer_cfg.backend
+        self.token_budget: int | None = getattr(backend_cfg, "micro_batch_tokens", None)
+        self.pack: bool = getattr(backend_cfg, "pack_sequences", True)
+
+    def _micro_batches(self, samples: list[TrainSample]) -> list[MicroBatch]:
+        batches = pack_micro_batches(
+            samples, pad_id=self.pad_id, device=self.device, token_budget=self.token_budget, pack=self.pack
+        )
+        (count,) = self.backend.all_reduce([float(len(batches))], op="max")
+        return pad_to(batches, max(1, int(count)), self.pad_id, self.device)
+
+    def run(self, minibatches: Sequence[Sequence[TrainSample]]) -> dict[str, float]:
+        """Train on this rank's part of each mini-batch (:func:`plan_batch`); one optimizer step per mini-batch.
+        Every rank must pass the same number of mini-batches; every rank gets the same (global) metrics."""
+        minis = [self._micro_batches(list(m)) for m in minibatches]
+        flat = [mb for mini in minis for mb in mini]
+        for mb, out in zip(flat, self.backend.score(flat, entropy=True), strict=True):
+            mb.tensors["prox_logp"] = out.logp
+            assert out.entropy is not None
+            mb.tensors["prox_entropy"] = out.entropy
+        if self.objective.needs_reference:
+            for mb, out in zip(flat, self.backend.score(flat, reference=True), strict=True):
+                mb.tensors["ref_logp"] = out.logp
+
+        totals: dict[str, float] = {}
+        grad_norms: list[float] = []
+        lr = 0.0
+        for mini in minis:
+            local = [sum(mb.num_tokens for mb in mini), sum(mb.num_sequences for mb in mini)]
+            num_tokens, num_sequences = self.backend.all_reduce([float(x) for x in local])
+            loss_fn = self.objective.loss_fn(num_tokens, num_sequences)
+            sums = self.backend.forward_backward(mini, loss_fn, entropy=self.objective.entropy_in_loss)
+            for key, value in sums.items():
+                totals[key] = totals.get(key, 0.0) + value
+            lr = lr_at(self.cfg, self.steps_done)
+            grad_norms.append(self.backend.optimizer_step(lr))
+            self.steps_done += 1
+
+        keys = sorted(totals)
+        reduced = dict(zip(keys, self.backend.all_reduce([totals[k] for k in keys]), strict=True))
+        metrics = self.objective.finalize(reduced, len(minis))
+        finite = [g for g in grad_norms if torch.isfinite(torch.tensor(g))]
+        metrics |= {
+            "grad_norm": grad_norms[-1] if grad_norms else 0.0,
+            "grad_norm_max": max(finite) if finite else float("nan"),
+            "skipped_steps": float(len(grad_norms) - len(finite)),
+            "lr": lr,
+            "optimizer_steps": float(len(minis)),
+        }
+        return metrics
