@@ -213,9 +213,9 @@ def test_masked_tokens_get_zero_gradient() -> None:
 
 
 def test_behaviour_ratio_is_decoupled_ppo_at_the_step_start_except_for_the_clip() -> None:
-    """At pi_theta = pi_prox the 'behaviour_ratio' ratio is k: its gradient is -A min(k, clip) like 'decoupled_ppo', except
-    on tokens the PPO clip (or the truncation) cuts: A > 0 with k > 1 + clip_high, A < 0 with k < 1 - clip_low
-    or k > tis_clip."""
+    """At pi_theta = pi_prox the 'behaviour_ratio' ratio is k: its gradient is -A min(k, clip) like
+    'decoupled_ppo', except on tokens the PPO clip (or the truncation) cuts: A > 0 with k > 1 + clip_high,
+    A < 0 with k < 1 - clip_low or k > cap."""
     prox, behaviour = _logps()
     grads = {}
     for mode in ("behaviour_ratio", "decoupled_ppo"):
