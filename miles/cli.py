@@ -1,6 +1,7 @@
 """``miles``: run a recipe on this machine, inspect a config, or serve a bus for a multi-process run.
 
 miles run recipes/quickstart.yaml --run-dir runs/quickstart
+miles prepare recipes/quickstart.yaml    # check the task, build the model (done by `miles run` too)
 miles config recipes/quickstart.yaml --set trainer.lr=1e-3
 miles bus --run-dir runs/shared          # an embedded nats-server for miles-node processes
 miles top --nats-url nats://host:4222 -c recipes/quickstart.yaml   # live monitor
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 from miles.bus.errors import BusError
-from miles.config import ConfigError, add_override_option, dump_config, load_config
+from miles.config import ConfigError, RunConfig, add_override_option, dump_config, load_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_override_option(run)
     run.add_argument("--nats-url", help="Use this NATS server instead of starting an embedded one.")
     run.add_argument("--quiet", action="store_true", help="No progress output, only the summary.")
+
+    prep = sub.add_parser(
+        "prepare", help="Check the task and build the model of a recipe (on every machine of a split run)."
+    )
+    prep.add_argument("recipe", help="YAML recipe.")
+    add_override_option(prep)
 
     cfg = sub.add_parser("config", help="Print the resolved config of a recipe with overrides.")
     cfg.add_argument("recipe", nargs="?", help="YAML recipe (defaults if omitted).")
@@ -56,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(args)
+        if args.command == "prepare":
+            return _prepare(load_config(args.recipe, args.overrides))
         if args.command == "config":
             print(dump_config(load_config(args.recipe, args.overrides)), end="")
             return 0
@@ -83,17 +92,26 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def _prepare(cfg: RunConfig) -> int:
+    """Build the task and the model before anything starts; 0, or 2 with the one-line reason."""
+    from miles.prepare import PrepareError, prepare
+
+    print(f"miles: preparing task ({cfg.task.type}) and model ({cfg.model.type}) ...", file=sys.stderr)
+    try:
+        model_dir = prepare(cfg)
+    except PrepareError as exc:
+        print(f"miles: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"miles: prepared {model_dir}", file=sys.stderr)
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     cfg = load_config(args.recipe, args.overrides)
     run_dir = Path(args.run_dir or f"runs/{cfg.name}")
-    from miles.models.loading import resolve_model_dir
-
-    print(f"miles: preparing model ({cfg.model.type}) ...", file=sys.stderr)
-    try:
-        resolve_model_dir(cfg.model, cfg.task)  # built once here, so actors do not race to build it
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"miles: error: {exc}", file=sys.stderr)
-        return 2
+    status = _prepare(cfg)  # before NATS or any actor: a bad file or reward path is one line and exit 2
+    if status:
+        return status
     from miles.launch import run_local
 
     return asyncio.run(run_local(cfg, run_dir, args.nats_url, quiet=args.quiet))

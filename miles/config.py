@@ -159,12 +159,44 @@ EngineConfig = Annotated[
 ]
 
 
+class EpisodeConfig(Strict):
+    """Limits of one episode (docs/agents.md). A single-turn task ends after its one model turn anyway."""
+
+    max_turns: int = Field(1, ge=1, description="Model turns per episode (ends with end reason max_turns).")
+    max_tokens: int | None = Field(
+        None, ge=1, description="Tokens after the prompt, model and environment together (None: the context window)."
+    )
+    timeout_s: float | None = Field(
+        None, gt=0, description="Wall clock for an episode's turns and environment steps (end reason timeout)."
+    )
+    reward_timeout_s: float | None = Field(
+        60.0, gt=0, description="Wall clock for scoring an episode; past it the sample fails (reward_failed)."
+    )
+    check_template: bool = Field(
+        True,
+        description="Re-render each multi-turn conversation with the chat template and count where it differs "
+        "from the exact sampled ids (template_mismatches); training always uses the sampled ids.",
+    )
+
+
 class RolloutConfig(Strict):
     workers: int = Field(2, ge=1, description="Rollout worker processes `miles run` starts.")
     engine: EngineConfig = Field(default_factory=TorchEngineConfig, description="Generation engine.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling for training rollouts.")
-    group_size: int = Field(8, ge=1, description="Completions sampled per prompt (a GRPO group).")
-    groups_per_batch: int = Field(4, ge=1, description="Prompt groups a worker generates in one batched call.")
+    group_size: int = Field(8, ge=1, description="Episodes sampled per prompt (a GRPO group).")
+    groups_in_flight: int = Field(
+        4, ge=1, description="Prompt groups a worker plays at once; their episodes share the engine's batch."
+    )
+    episode: EpisodeConfig = Field(default_factory=EpisodeConfig, description="Turn, token and time limits.")
+
+
+class EvalConfig(Strict):
+    """Held-out evaluation: the controller sends the eval split to rollout workers (greedy), never the trainer."""
+
+    every: int = Field(10, ge=0, description="Versions between evaluations (0: only the first and the last version).")
+    shard_size: int = Field(50, ge=1, description="Held-out samples per evaluation work item.")
+    max_new_tokens: int | None = Field(None, ge=1, description="Per model turn (None: rollout.sampling's).")
+    max_samples: int | None = Field(None, ge=1, description="Evaluate only the first this many held-out samples.")
 
 
 # --------------------------------------------------------------------------- trainer
@@ -383,9 +415,6 @@ class TrainerConfig(Strict):
     lora: LoraConfig | None = Field(
         None, description="Train LoRA adapters on a frozen base instead of all weights (None: full fine-tuning)."
     )
-    eval_every: int = Field(
-        10, ge=0, description="Versions between held-out evaluations, run by rollout workers (0: first and last only)."
-    )
     checkpoint_every: int = Field(
         50,
         ge=1,
@@ -470,6 +499,7 @@ class RunConfig(Strict):
     task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation by rollout workers.")
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
     bus: BusConfig = Field(default_factory=BusConfig)

@@ -24,8 +24,8 @@ from miles.config import ConfigError, RunConfig, add_override_option, load_confi
 
 if TYPE_CHECKING:  # keep `miles-node --help` free of torch and nats imports
     from miles.actors.base import Actor
-    from miles.backends.base import TrainBackend
     from miles.bus.client import Bus
+    from miles.training.rank_worker import RankWorker
 
 ROLES = ("controller", "rollout", "trainer", "monitor")
 
@@ -76,29 +76,47 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if args.role == "trainer" and args.rank > 0:
-        return _run_trainer_follower(cfg, args)
-    try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - non-POSIX
-        runner = asyncio.run
+    from miles.backends.registry import BackendUnavailable
     from miles.bus.errors import BusError
+    from miles.models.loading import ModelNotFoundError
 
     try:
-        return runner(_run_actor(cfg, args, actor_id, run_dir))
-    except BusError as exc:
+        worker = _build_rank_worker(cfg, args, run_dir) if args.role == "trainer" else None
+    except (BackendUnavailable, ModelNotFoundError) as exc:
         print(f"miles-node: error: {exc}", file=sys.stderr)
-        return 1
+        return 2
+    try:
+        if worker is not None and args.rank > 0:
+            from miles.actors.trainer_ranks import follow_leader
+
+            follow_leader(worker)
+            return 0
+        try:
+            import uvloop
+
+            runner = uvloop.run
+        except ImportError:  # pragma: no cover - non-POSIX
+            runner = asyncio.run
+        try:
+            return runner(_run_actor(cfg, args, actor_id, run_dir, worker))
+        except BusError as exc:
+            print(f"miles-node: error: {exc}", file=sys.stderr)
+            return 1
+    finally:
+        if worker is not None:
+            from miles.backends.distributed import destroy_distributed
+
+            destroy_distributed()  # a process that exits with a live gloo group aborts in its destructor
 
 
-async def _run_actor(cfg: RunConfig, args: argparse.Namespace, actor_id: str, run_dir: Path) -> int:
+async def _run_actor(
+    cfg: RunConfig, args: argparse.Namespace, actor_id: str, run_dir: Path, worker: RankWorker | None
+) -> int:
     from miles.bus.client import Bus
 
     bus = await Bus.open(cfg.bus, args.nats_url, cfg.name, actor_id)
     try:
-        actor = _build_actor(cfg, args, bus, run_dir)
+        actor = _build_actor(cfg, args, bus, run_dir, worker)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, actor.request_stop, f"signal {sig.name}")
@@ -108,7 +126,7 @@ async def _run_actor(cfg: RunConfig, args: argparse.Namespace, actor_id: str, ru
     return 0
 
 
-def _build_actor(cfg: RunConfig, args: argparse.Namespace, bus: Bus, run_dir: Path) -> Actor:
+def _build_actor(cfg: RunConfig, args: argparse.Namespace, bus: Bus, run_dir: Path, worker: RankWorker | None) -> Actor:
     if args.role == "controller":
         from miles.actors.controller import Controller
 
@@ -125,8 +143,8 @@ def _build_actor(cfg: RunConfig, args: argparse.Namespace, bus: Bus, run_dir: Pa
     from miles.actors.trainer import TrainerLeader
     from miles.actors.trainer_ranks import LeaderRanks
 
-    backend = _build_backend(cfg, args)
-    return TrainerLeader(cfg, bus, run_dir, ranks=LeaderRanks(backend, args.world_size))
+    assert worker is not None
+    return TrainerLeader(cfg, bus, run_dir, ranks=LeaderRanks(worker))
 
 
 def _limit_threads(threads: int | None) -> None:
@@ -136,23 +154,17 @@ def _limit_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def _build_backend(cfg: RunConfig, args: argparse.Namespace) -> TrainBackend:
-    """Initialise torch.distributed (when several ranks) and the training backend on this rank."""
+def _build_rank_worker(cfg: RunConfig, args: argparse.Namespace, run_dir: Path) -> RankWorker:
+    """Join torch.distributed, load the prepared policy into the backend, and wrap it for this rank."""
     from miles.backends.registry import build_backend
+    from miles.training.rank_worker import RankWorker
 
     if cfg.trainer.backend.type == "fsdp":
         _limit_threads(cfg.trainer.backend.threads)
-    return build_backend(
+    backend, pad_id = build_backend(
         cfg, rank=args.rank, world_size=args.world_size, master_addr=args.master_addr, master_port=args.master_port
     )
-
-
-def _run_trainer_follower(cfg: RunConfig, args: argparse.Namespace) -> int:
-    from miles.actors.trainer_ranks import follow_leader
-
-    backend = _build_backend(cfg, args)
-    follow_leader(backend, args.rank)
-    return 0
+    return RankWorker(backend, cfg, run_dir, pad_id=pad_id)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,19 @@
-"""Controller: feeds prompt groups under the staleness bound, keeps the registry, records the run.
+"""Controller: feeds prompt groups under the staleness bound, schedules evaluations, records the run.
 
-Admission (AReaL-style credits): with trainer version ``v``, ``B = groups_per_step`` and
-``eta = max_staleness``, a group is issued only while ``issued - discarded < (eta + v + 1) * B``.
-A worker generates a group with a policy version >= the version it was issued at, and the trainer
-consumes groups in batches of ``B``, so a trained group is at most ``eta`` versions old; the
-trainer re-checks on consumption because arrival order is not issue order.
+Admission (AReaL-style credits): with the trainer at lineage step ``s`` (the step of its newest announced
+version), ``B = groups_per_step`` and ``eta = max_staleness``, a group is issued only while
+``issued - discarded < (eta + s + 1) * B``. A worker plays a group with a policy version >= the version it
+was issued at, and the trainer consumes groups in batches of ``B``, so a trained group is at most ``eta``
+steps old; the trainer re-checks on consumption because arrival order is not issue order. Versions are
+unique ids (a trainer restart supersedes versions with new numbers), so the bound counts steps, which every
+announcement carries, not version numbers.
 
-The controller's own state (issued count, dataset cursor, re-issue queue) lives in the run's KV
-bucket and its inputs come from durable consumers, so a restarted controller carries on.
+The controller's own state (issued count, dataset cursor, re-issue queue) lives in the run's KV bucket
+and its inputs come from durable consumers, so a restarted controller carries on.
 
-It also audits weight sync (:mod:`miles.actors.weight_audit`): each worker's ``weights_held`` report
-is checked against the state digest the trainer announced for that version, and a worker holding
-other weights is flagged (``weights_mismatch`` error event, heartbeat stats, summary.json).
+It also audits weight sync (:mod:`miles.actors.weight_audit`) and owns held-out evaluation
+(:mod:`miles.actors.evaluations`): the first version is evaluated before any prompt is issued, so
+``eval_before`` is exactly the initial policy's, and the last one after the trainer is done.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import asyncio
 import contextlib
 import json
 import random
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -28,12 +31,14 @@ from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from miles.actors.base import Actor
+from miles.actors.evaluations import EvalCoordinator
 from miles.actors.run_record import RunRecord
 from miles.actors.weight_audit import WeightAudit
 from miles.bus.client import KEY_STATUS, Bus, messages_until
 from miles.bus.schema import (
     Control,
     EvalResult,
+    EvalShardResult,
     GroupsDiscarded,
     Heartbeat,
     PromptGroup,
@@ -47,6 +52,8 @@ from miles.bus.schema import (
 from miles.tasks.base import Sample
 
 KEY_CONTROLLER = "controller_state"
+FINAL_EVAL_TIMEOUT_S = 1800.0
+KEEP_VERSIONS = 256  # version -> step entries remembered (lags of workers a few versions behind)
 
 
 @dataclass(slots=True)
@@ -54,14 +61,15 @@ class AdmissionState:
     """What the controller must remember across restarts (stored as JSON in the KV bucket)."""
 
     issued: int = 0  # groups ever issued, re-issues included
-    discarded: int = 0  # groups the trainer rejected as too stale (they free their credit)
+    discarded: int = 0  # groups the trainer rejected (they free their credit)
     cursor: int = 0  # position in the endless shuffled stream of train samples
     reissue: list[str] = field(default_factory=list)  # sample ids waiting to be issued again
+    attempts: dict[str, int] = field(default_factory=dict)  # sample id -> re-issues so far (bounded by reissue)
 
 
-def admission_limit(version: int, max_staleness: int, groups_per_step: int, steps: int) -> int:
-    """Groups that may be outstanding-or-trained at trainer ``version``: ``(eta + v + 1) * B``, capped."""
-    return min((max_staleness + version + 1) * groups_per_step, steps * groups_per_step)
+def admission_limit(step: int, max_staleness: int, groups_per_step: int, steps: int) -> int:
+    """Groups that may be outstanding-or-trained with the trainer at ``step``: ``(eta + s + 1) * B``, capped."""
+    return min((max_staleness + step + 1) * groups_per_step, steps * groups_per_step)
 
 
 class Controller(Actor):
@@ -70,9 +78,12 @@ class Controller(Actor):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.state = AdmissionState()
-        self.trainer_version = 0
+        self.trainer_version = -1
+        self.trainer_step = 0
+        self.version_steps: OrderedDict[int, int] = OrderedDict()  # announced version -> its lineage step
         self.workers: dict[str, Heartbeat] = {}
         self._wake = asyncio.Event()
+        self._admit_open = asyncio.Event()  # set once the initial evaluation is in (or on a resumed run)
         self.record = RunRecord(self.run_dir)
         self._epoch_order: tuple[int, list[str]] = (-1, [])
         self.audit = WeightAudit(logger=self.log)
@@ -84,28 +95,43 @@ class Controller(Actor):
             "issued": float(self.state.issued),
             "discarded": float(self.state.discarded),
             "dead_lettered": float(self.bus.dead_lettered),
+            "trainer_step": float(self.trainer_step),
             **self.audit.stats(),
         }
+        if hasattr(self, "evals"):
+            stats |= self.evals.stats()
         return Heartbeat(role=self.role, actor_id=self.actor_id, version=self.trainer_version, stats=stats)
 
     async def main(self) -> None:
         from miles.tasks.registry import build_task
 
-        task = build_task(self.cfg.task)
+        cfg = self.cfg
+        task = build_task(cfg.task)
         self.samples = {s.id: s for s in task.samples("train")}
         self.order = list(self.samples)
+        held_out = task.samples("eval")[: cfg.eval.max_samples]
+        self.evals = EvalCoordinator(
+            self.bus,
+            held_out,
+            every=cfg.eval.every,
+            shard_size=cfg.eval.shard_size,
+            max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.sampling.max_new_tokens,
+        )
         raw = await self.bus.get_str(KEY_CONTROLLER)
         if raw:
             self.state = AdmissionState(**json.loads(raw))
-            self.log.info("controller_resumed", **asdict(self.state))
+            self._admit_open.set()  # the initial evaluation happened before the first issue
+            self.log.info("controller_resumed", issued=self.state.issued, cursor=self.state.cursor)
         await self.bus.put_str(KEY_STATUS, "running")
         done = asyncio.Event()
         async with asyncio.TaskGroup() as tg:
+            self._tasks = tg  # one-off tasks (the initial evaluation, the end of the run) are supervised here too
             tg.create_task(self._follow_versions(done), name="controller.versions")
             tg.create_task(self._follow_heartbeats(done), name="controller.heartbeats")
             tg.create_task(self._follow_discards(done), name="controller.discards")
             tg.create_task(self._follow_metrics(done), name="controller.metrics")
             tg.create_task(self._follow_weights_held(done), name="controller.weights_held")
+            tg.create_task(self._follow_eval_results(done), name="controller.eval_results")
             tg.create_task(self._admit(done), name="controller.admission")
             stop_waiter = tg.create_task(self.stopping.wait(), name="controller.stop")
             await asyncio.wait([stop_waiter, tg.create_task(done.wait())], return_when=asyncio.FIRST_COMPLETED)
@@ -114,37 +140,43 @@ class Controller(Actor):
 
     # ------------------------------------------------------------------ admission
 
-    def _next_sample(self) -> tuple[Sample, bool]:
-        """The next prompt (re-issues first) and whether it is a re-issue."""
+    def _next_sample(self) -> tuple[Sample, int]:
+        """The next prompt (re-issues first) and its attempt number."""
         if self.state.reissue:
-            return self.samples[self.state.reissue.pop(0)], True
+            sample_id = self.state.reissue.pop(0)
+            attempt = self.state.attempts.pop(sample_id, 1)
+            return self.samples[sample_id], attempt
         epoch, index = divmod(self.state.cursor, len(self.order))
         self.state.cursor += 1
         if self._epoch_order[0] != epoch:  # one deterministic shuffle per pass over the data
             order = list(self.order)
             random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
             self._epoch_order = (epoch, order)
-        return self.samples[self._epoch_order[1][index]], False
+        return self.samples[self._epoch_order[1][index]], 0
 
     async def _admit(self, done: asyncio.Event) -> None:
         trainer = self.cfg.trainer
+        while not self._admit_open.is_set() and not done.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._admit_open.wait(), timeout=0.5)
         while not done.is_set():
-            self._wake.clear()  # before reading the version: a bump from here on wakes the wait below
+            self._wake.clear()  # before reading the step: a bump from here on wakes the wait below
             limit = admission_limit(
-                self.trainer_version, self.cfg.staleness.max_staleness, trainer.groups_per_step, trainer.steps
+                self.trainer_step, self.cfg.staleness.max_staleness, trainer.groups_per_step, trainer.steps
             )
             issued_any = False
-            while self.state.issued - self.state.discarded < limit and not done.is_set():
-                sample, reissue = self._next_sample()
+            while self.state.issued - self.state.discarded < limit and not done.is_set() and self.trainer_version >= 0:
+                sample, attempt = self._next_sample()
                 group = PromptGroup(
                     group_id=f"g{self.state.issued}",
                     sample_id=sample.id,
                     prompt=sample.prompt,
                     answer=sample.answer,
+                    meta=sample.meta,
                     group_size=self.cfg.rollout.group_size,
                     issue_index=self.state.issued,
                     issued_at_version=self.trainer_version,
-                    attempt=int(reissue),
+                    attempt=attempt,
                 )
                 await self.bus.publish(self.bus.subjects.prompts, group)
                 self.record.ledger("issued", group_id=group.group_id, sample_id=sample.id, version=self.trainer_version)
@@ -152,10 +184,8 @@ class Controller(Actor):
                 issued_any = True
             if issued_any:
                 await self.bus.put_str(KEY_CONTROLLER, json.dumps(asdict(self.state)))
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=1.0)
-            except asyncio.TimeoutError:
-                pass
 
     # ------------------------------------------------------------------ inputs
 
@@ -171,9 +201,25 @@ class Controller(Actor):
             totals["versions"] += 1
             totals["bytes"] += ann.size
             totals["max"] = max(totals["max"], ann.size)
+            self.version_steps[ann.version] = ann.step
+            while len(self.version_steps) > KEEP_VERSIONS:
+                self.version_steps.popitem(last=False)
             if ann.version > self.trainer_version:
-                self.trainer_version = ann.version
+                first = self.trainer_version < 0
+                self.trainer_version, self.trainer_step = ann.version, ann.step
                 self._wake.set()
+                if first and not self._admit_open.is_set():
+                    self._tasks.create_task(self._initial_eval(ann.version), name="controller.initial_eval")
+                elif not ann.replayed and self.evals.due(ann.step, self.cfg.trainer.steps) and ann.step > 0:
+                    await self.evals.request(ann.version)
+
+    async def _initial_eval(self, version: int) -> None:
+        """Evaluate the initial policy before any prompt goes out, so eval_before is exactly its accuracy."""
+        try:
+            eval_id = await self.evals.request(version)
+            await self.evals.wait(eval_id)
+        finally:
+            self._admit_open.set()
 
     async def _follow_heartbeats(self, done: asyncio.Event) -> None:
         sub = await self.bus.nc.subscribe(self.bus.subjects.heartbeat("*", "*"))
@@ -183,9 +229,9 @@ class Controller(Actor):
                 self.workers[hb.actor_id] = hb
 
     async def _pull_loop(
-        self, stream: str, durable: str, filter_subject: str, done: asyncio.Event, handle: Any
+        self, durable: str, subject: str, stream: str, done: asyncio.Event, handle: Callable[[Any], Awaitable[None]]
     ) -> None:
-        messages = pull_messages(self.bus, stream, durable, filter_subject, done, ack_wait_s=self.cfg.bus.ack_wait_s)
+        messages = pull_messages(self.bus, stream, durable, subject, done, ack_wait_s=self.cfg.bus.ack_wait_s)
         async with contextlib.aclosing(messages):
             async for m in messages:
                 try:
@@ -194,11 +240,11 @@ class Controller(Actor):
                     await self.bus.dead_letter(m.subject, m.data, str(exc))
                     await m.ack()
                     continue
-                await handle(message, done)
+                await handle(message)
                 await m.ack()
 
     async def _follow_discards(self, done: asyncio.Event) -> None:
-        async def handle(message: Any, _: asyncio.Event) -> None:
+        async def handle(message: Any) -> None:
             if not isinstance(message, GroupsDiscarded):
                 return
             self.state.discarded += len(message.group_ids)
@@ -208,46 +254,51 @@ class Controller(Actor):
                     group_id=gid,
                     sample_id=sid,
                     trainer_version=message.trainer_version,
+                    reason=message.reason,
                 )
                 if message.requeue and sid in self.samples:
                     self.state.reissue.append(sid)
-            self.record.count_discarded(len(message.group_ids), message.requeue)
+                    self.state.attempts[sid] = self.state.attempts.get(sid, 0) + 1
+            self.record.count_discarded(len(message.group_ids), message.requeue, message.reason)
             await self.bus.put_str(KEY_CONTROLLER, json.dumps(asdict(self.state)))
             self._wake.set()
 
-        await self._pull_loop(
-            self.bus.subjects.events_stream,
-            self.bus.subjects.CONTROLLER_EVENTS_CONSUMER,
-            self.bus.subjects.discarded,
-            done,
-            handle,
-        )
+        s = self.bus.subjects
+        await self._pull_loop(s.CONTROLLER_EVENTS_CONSUMER, s.discarded, s.events_stream, done, handle)
 
     async def _follow_metrics(self, done: asyncio.Event) -> None:
-        async def handle(message: Any, finished: asyncio.Event) -> None:
+        async def handle(message: Any) -> None:
             if isinstance(message, StepMetrics):
-                lags = [self.trainer_version - hb.version for hb in self.workers.values() if hb.version >= 0]
+                lags = [
+                    message.step - self.version_steps[hb.version]
+                    for hb in self.workers.values()
+                    if hb.version in self.version_steps
+                ]
                 self.record.step(message, worker_lag_mean=sum(lags) / len(lags) if lags else 0.0)
             elif isinstance(message, EvalResult):
                 self.record.eval(message)
             elif isinstance(message, TrainerDone):
-                await self._finish(message)
-                finished.set()
+                self._tasks.create_task(self._finish(message, done), name="controller.finish")
 
-        await self._pull_loop(
-            self.bus.subjects.metrics_stream,
-            self.bus.subjects.CONTROLLER_METRICS_CONSUMER,
-            self.bus.subjects.metrics_all,
-            done,
-            handle,
-        )
+        s = self.bus.subjects
+        await self._pull_loop(s.CONTROLLER_METRICS_CONSUMER, s.metrics_all, s.metrics_stream, done, handle)
+
+    async def _follow_eval_results(self, done: asyncio.Event) -> None:
+        async def handle(message: Any) -> None:
+            if isinstance(message, EvalShardResult):
+                await self.evals.on_result(message)
+
+        s = self.bus.subjects
+        await self._pull_loop(s.CONTROLLER_EVAL_CONSUMER, s.eval_results, s.events_stream, done, handle)
 
     async def _follow_weights_held(self, done: asyncio.Event) -> None:
         """Feed every worker's ``weights_held`` report to the audit (durable: none is missed while we run)."""
         await follow_weights_held(self.bus, self.audit, done, ack_wait_s=self.cfg.bus.ack_wait_s)
 
+    # ------------------------------------------------------------------ the end
+
     async def _write_plots(self) -> None:
-        """reward.png and staleness.png in the run directory; a failure is logged, never fatal."""
+        """reward.png, staleness.png and lengths.png in the run directory; a failure is logged, never fatal."""
         if not self.cfg.monitor.plots:
             return
         from miles.monitoring.plots import write_plots
@@ -265,10 +316,17 @@ class Controller(Actor):
         else:
             self.log.info("plots_written", paths=[str(p) for p in paths])
 
-    async def _finish(self, done: TrainerDone) -> None:
+    async def _finish(self, trainer_done: TrainerDone, done: asyncio.Event) -> None:
+        """Evaluate the final version, write the summary, stop every actor."""
+        eval_id = await self.evals.request(trainer_done.policy_version)
+        final = await self.evals.wait(eval_id, FINAL_EVAL_TIMEOUT_S)
+        if final is None:
+            self.log.error("final_eval_timed_out", version=trainer_done.policy_version, after_s=FINAL_EVAL_TIMEOUT_S)
         outstanding = self.state.issued - self.state.discarded - self.record.groups_trained
         summary = self.record.write_summary(
-            steps=done.steps,
+            status="complete",
+            steps=trainer_done.steps,
+            final_version=trainer_done.policy_version,
             dead_lettered=await self.bus.dead_letter_count(),
             groups_issued=self.state.issued,
             groups_outstanding=outstanding,
@@ -278,12 +336,14 @@ class Controller(Actor):
                 mode: {"versions": t["versions"], "mean": t["bytes"] / t["versions"], "max": t["max"]}
                 for mode, t in self.sync_bytes.items()
             },
+            eval_results_refused=self.evals.refused,
             **self.audit.summary(),
         )
         await self._write_plots()
         await self.bus.put_str(KEY_STATUS, "done")
         await self.bus.publish(self.bus.subjects.control, Control(command="stop", reason="run complete"))
-        self.log.info("run_complete", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
+        self.log.info("run_complete", **{k: v for k, v in summary.items() if not isinstance(v, dict | list)})
+        done.set()
 
 
 async def pull_messages(

@@ -1,27 +1,37 @@
-"""Rollout worker: pull prompt groups, generate at known policy versions, score, publish trajectories.
+"""Rollout worker: plays episodes of prompt groups at known policy versions and publishes trajectories.
 
-A group is generated with at least the version it was issued at; newer weights that arrive while
-it generates switch in at a token boundary, and each completion records its version spans.
+A worker runs up to ``rollout.groups_in_flight`` prompt groups at once; every episode of every group sends
+its model turns to the engine as separate requests, so they batch together and a short episode never
+waits for a long one. A group is played with at least the version it was issued at; newer weights switch
+in at token boundaries and every model token records its version. Evaluation shards from the controller
+are played greedily with the weights pinned at one version.
 
-Delivery contract: a prompt message is acked only after the trajectory built from it has been
-stored by JetStream. A worker killed mid-batch leaves its prompts unacked, and JetStream
-redelivers them to another worker after ``bus.ack_wait_s``.
+Delivery contract: a prompt (or evaluation) message is acked only after the trajectory (or result) built
+from it is stored by JetStream. A worker killed mid-group leaves its prompts unacked, and JetStream
+redelivers them to another worker after ``bus.ack_wait_s``; a worker that stops drains by nak-ing them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 from nats.aio.msg import Msg
 
 from miles.actors.base import Actor, keep_in_progress
+from miles.actors.rollout_stats import RolloutStats
 from miles.bus.dataplane import WeightStore
-from miles.bus.schema import Completion, Heartbeat, PromptGroup, Trajectory, WeightsHeld
+from miles.bus.schema import EvalShardResult, EvalTask, Heartbeat, PromptGroup, Trajectory, WeightsHeld
 from miles.engines.base import SamplingParams, StagingEngine
+from miles.rollout.env import EpisodeSpec
+from miles.rollout.episode import EpisodeLimits, run_episode
+from miles.rollout.evaluate import evaluate
+from miles.rollout.render import Renderer
 from miles.sync.engine_weights import EngineWeights
 from miles.sync.follower import WeightFollower
 from miles.sync.lora import lora_scale
@@ -37,90 +47,77 @@ class RolloutWorker(Actor):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.groups_done = 0
-        self.tokens_done = 0
-        self.busy_s = 0.0
+        self.stats = RolloutStats()
         self._reported_version = -1  # newest version announced to the controller as held (WeightsHeld)
 
     def heartbeat(self) -> Heartbeat:
         version = self.engine.version if hasattr(self, "engine") else -1
-        stats = {
-            "groups": float(self.groups_done),
-            "tokens": float(self.tokens_done),
-            "busy_s": self.busy_s,
-            "dead_lettered": float(self.bus.dead_lettered),
-        }
+        stats = {**self.stats.as_dict(), "dead_lettered": float(self.bus.dead_lettered)}
         if hasattr(self, "follower"):
+            stats |= self.follower.stats()
+        if hasattr(self, "engine"):
             stats |= {
-                "syncs": float(self.follower.syncs),
-                "checksum_failures": float(self.follower.checksum_failures),
-                "last_pause_ms": self.follower.last_pause_s * 1e3,
-                "last_fetch_ms": self.follower.last_fetch_s * 1e3,
-                "delta_fallbacks": float(self.follower.delta_fallbacks),
-                "sparse_stages": float(self.follower.sparse_stages),
-                "last_fetch_bytes": float(self.follower.last_fetch_bytes),
-                "fetched_bytes": float(self.follower.fetched_bytes),
-                "fetches": float(self.follower.fetches),
+                "engine_load_failures": float(getattr(self.engine, "failures", 0)),
+                "engine_error": float(self.engine.error is not None),
             }
-        return Heartbeat(role=self.role, actor_id=self.actor_id, version=version, stats=stats)
+        state = "running" if not hasattr(self, "engine") or self.engine.error is None else "engine_error"
+        return Heartbeat(role=self.role, actor_id=self.actor_id, version=version, state=state, stats=stats)
+
+    # ------------------------------------------------------------------ set-up
 
     async def main(self) -> None:
         from miles.engines.registry import build_engine
-        from miles.models.loading import encode_prompt, load_tokenizer, resolve_model_dir, stop_token_ids
+        from miles.models.loading import load_tokenizer, prepared_model_dir, stop_token_ids
         from miles.tasks.registry import build_task
 
-        model_dir = await asyncio.to_thread(resolve_model_dir, self.cfg.model, self.cfg.task)
-        seed = self.cfg.seed * 1_000_003 + zlib.crc32(self.actor_id.encode())  # distinct samples per worker
+        cfg = self.cfg
+        model_dir = prepared_model_dir(cfg.model, cfg.task)
+        task = build_task(cfg.task)
+        await asyncio.to_thread(task.check)
+        seed = cfg.seed * 1_000_003 + zlib.crc32(self.actor_id.encode())  # distinct samples per worker
         # Version -1: the engine generates nothing until it holds a published, verified version (even
         # version 0 is fetched: the trainer's rollout-precision weights, not the float32 checkpoint).
-        self.engine = await asyncio.to_thread(build_engine, self.cfg.rollout.engine, model_dir, -1, seed)
-        tokenizer = self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
-        task = build_task(self.cfg.task)
+        engine = await asyncio.to_thread(build_engine, cfg.rollout.engine, model_dir, -1, seed)
+        tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
+        renderer = Renderer(tokenizer, task.render)
         store = await WeightStore.create(
-            self.bus.js,
-            self.bus.subjects.run,
-            replicas=self.cfg.bus.replicas,
-            keep_versions=self.cfg.sync.keep_versions,
+            self.bus.js, self.bus.subjects.run, replicas=cfg.bus.replicas, keep_versions=cfg.sync.keep_versions
         )
         delta_store = None
-        if self.cfg.sync.mode == "delta":
+        if cfg.sync.mode == "delta":
             delta_store = await WeightStore.create(
                 self.bus.js,
                 self.bus.subjects.run,
-                replicas=self.cfg.bus.replicas,
-                keep_versions=delta_keep_versions(self.cfg.sync.keep_versions, self.cfg.sync.anchor_every),
+                replicas=cfg.bus.replicas,
+                keep_versions=delta_keep_versions(cfg.sync.keep_versions, cfg.sync.anchor_every),
                 kind="delta",
             )
-        self.engine, decoder = self._weight_path(self.engine, model_dir)
+        self.engine, decoder = self._weight_path(engine, model_dir)
         self.follower = WeightFollower(self.bus, store, self.engine, delta_store=delta_store, decoder=decoder)
-        sampling = self.cfg.rollout.sampling
+        sampling = cfg.rollout.sampling
         params = SamplingParams(
             max_new_tokens=sampling.max_new_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             stop_token_ids=stop_token_ids(tokenizer),
         )
-        sub = await self.bus.js.pull_subscribe_bind(
-            durable=self.bus.subjects.ROLLOUT_CONSUMER, stream=self.bus.subjects.prompts_stream
+        episode = cfg.rollout.episode
+        limits = EpisodeLimits(
+            max_turns=episode.max_turns,
+            max_tokens=episode.max_tokens,
+            timeout_s=episode.timeout_s,
+            reward_timeout_s=episode.reward_timeout_s,
+            check_template=episode.check_template,
         )
-        follower_task = asyncio.create_task(self.follower.run(self.stopping), name="rollout.weights")
-        report_task = asyncio.create_task(self._report_held_versions(), name="rollout.weights_held")
+        await self.engine.start()
         try:
-            while not self.stopping.is_set():
-                for background in (follower_task, report_task):
-                    if background.done():
-                        background.result()  # re-raise: a dead follower or reporter must fail the worker loudly
-                try:
-                    msgs = await sub.fetch(self.cfg.rollout.groups_per_batch, timeout=0.5)
-                except asyncio.TimeoutError:
-                    self.follower.apply_staged()  # idle: a good moment to swap
-                    continue
-                await self._process(msgs, task, params, lambda text: encode_prompt(tokenizer, text))
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self.follower.run(self.stopping), name="rollout.weights")
+                tg.create_task(self._report_held_versions(), name="rollout.weights_held")
+                tg.create_task(self._prompt_loop(task, renderer, params, limits), name="rollout.prompts")
+                tg.create_task(self._eval_loop(task, renderer, params, limits), name="rollout.evals")
         finally:
-            for background in (follower_task, report_task):
-                background.cancel()
-            await asyncio.gather(follower_task, report_task, return_exceptions=True)
-            await sub.unsubscribe()
+            await self.engine.close()
 
     def _weight_path(self, engine: Any, model_dir: Any) -> tuple[StagingEngine, EngineWeights]:
         """The engine the follower stages into, and how published states become its weights.
@@ -146,8 +143,10 @@ class RolloutWorker(Actor):
             lora_scale=None if lora is None else lora_scale(lora),
         )
 
+    # ------------------------------------------------------------------ held-weight reports
+
     async def _report_held_versions(self) -> None:
-        """Report adoptions that happen while idle (a staged version applied between batches)."""
+        """Report adoptions that happen while idle (a staged version applied between groups)."""
         while not self.stopping.is_set():
             await self._report_held_version()
             await asyncio.sleep(0.2)
@@ -155,14 +154,14 @@ class RolloutWorker(Actor):
     async def _report_held_version(self, used: Iterable[int] = ()) -> None:
         """Tell the controller which versions the engine adopted, with the digest of each one's published
         state, so that a worker running other weights than the trainer published is flagged (WeightsHeld).
-        ``used``: the versions a generation's tokens came from (a version switched in and out within one
-        batch is reported too). Called after every generation, before its trajectories go out, so a worker
-        that produced anything has reported the weights it produced it with."""
+        ``used``: the versions a group's tokens came from (a version switched in and out within one group is
+        reported too). Called before a trajectory goes out, so a worker that produced anything has reported
+        the weights it produced it with."""
         for version in sorted({*used, self.engine.version}):
             held = self.follower.staged_versions.get(version)
             if version <= self._reported_version or held is None:
                 continue
-            self._reported_version = version  # first: the idle loop and a batch never report one twice
+            self._reported_version = version  # first: concurrent reporters never report one twice
             report = WeightsHeld(
                 worker_id=self.actor_id,
                 version=version,
@@ -173,57 +172,155 @@ class RolloutWorker(Actor):
             )
             await self.bus.publish(self.bus.subjects.weights_held, report)
 
-    async def _process(
-        self, msgs: list[Msg], task: Task, params: SamplingParams, encode: Callable[[str], list[int]]
+    # ------------------------------------------------------------------ training rollouts
+
+    async def _prompt_loop(self, task: Task, renderer: Renderer, params: SamplingParams, limits: EpisodeLimits) -> None:
+        sub = await self.bus.js.pull_subscribe_bind(
+            durable=self.bus.subjects.ROLLOUT_CONSUMER, stream=self.bus.subjects.prompts_stream
+        )
+        room = asyncio.Semaphore(self.cfg.rollout.groups_in_flight)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                while not self.stopping.is_set():
+                    await room.acquire()
+                    try:
+                        msgs = await sub.fetch(1, timeout=0.5)
+                    except asyncio.TimeoutError:
+                        room.release()
+                        continue
+                    group = await self.bus.decode_or_dead_letter(msgs[0], PromptGroup)
+                    if group is None:
+                        room.release()
+                        continue
+                    tg.create_task(self._play_group(msgs[0], group, task, renderer, params, limits, room))
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _play_group(
+        self,
+        msg: Msg,
+        group: PromptGroup,
+        task: Task,
+        renderer: Renderer,
+        params: SamplingParams,
+        limits: EpisodeLimits,
+        room: asyncio.Semaphore,
     ) -> None:
-        groups: list[tuple[Msg, PromptGroup]] = []
-        for m in msgs:
-            group = await self.bus.decode_or_dead_letter(m, PromptGroup)
-            if group is not None:
-                groups.append((m, group))
-        if not groups:
-            return
-        held = [m for m, _ in groups]
-        async with keep_in_progress(held, period_s=self.cfg.bus.ack_wait_s / 3):
-            # Staleness contract: generate with at least the version the controller issued the group at.
-            needed = max(g.issued_at_version for _, g in groups)
-            if not await self.follower.wait_for(needed, self.stopping):
-                return  # stopping: leave the prompts unacked so another worker gets them
-            # generate() first applies what is staged (>= needed), so every token is at >= the floor;
-            # weights staged while it runs switch in at a token boundary (recorded in version_spans).
-            prompt_ids = [encode(g.prompt) for _, g in groups]
-            size = self.cfg.rollout.group_size
-            batch = [ids for ids in prompt_ids for _ in range(size)]
-            start = time.perf_counter()
-            gens = await asyncio.to_thread(self.engine.generate, batch, params)
-            gen_s = time.perf_counter() - start
-            self.busy_s += gen_s
-            await self._report_held_version(v for gen in gens for _, v in gen.version_spans)
-            for i, (m, g) in enumerate(groups):
-                sample = Sample(id=g.sample_id, prompt=g.prompt, answer=g.answer)
-                completions = []
-                for gen in gens[i * size : (i + 1) * size]:
-                    text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
-                    completions.append(
-                        Completion(
-                            output_ids=gen.output_ids,
-                            logprobs=gen.logprobs,
-                            reward=float(task.reward(text, sample)),
-                            finish_reason=gen.finish_reason,
-                            weight_version=gen.weight_version,
-                            version_spans=[[index, version] for index, version in gen.version_spans],
+        try:
+            async with keep_in_progress([msg], period_s=self.cfg.bus.ack_wait_s / 3):
+                # Staleness contract: play with at least the version the controller issued the group at.
+                if not await self.follower.wait_for(group.issued_at_version, self.stopping):
+                    await msg.nak()  # stopping: another worker takes it at once
+                    return
+                spec = EpisodeSpec(group.sample_id, group.prompt, group.answer, group.meta)
+                start = time.perf_counter()
+                episodes = await _until_stopped(
+                    self.stopping,
+                    asyncio.gather(
+                        *(
+                            run_episode(
+                                self.engine, renderer, task.environment(spec), params, limits, sample_id=spec.sample_id
+                            )
+                            for _ in range(group.group_size)
                         )
-                    )
+                    ),
+                )
+                if episodes is None:
+                    await msg.nak()
+                    return
+                gen_s = time.perf_counter() - start
+                await self._report_held_version(v for ep in episodes for _, v in ep.spans)
                 traj = Trajectory(
-                    group_id=g.group_id,
-                    sample_id=g.sample_id,
+                    group_id=group.group_id,
+                    sample_id=group.sample_id,
                     worker_id=self.actor_id,
-                    prompt_ids=prompt_ids[i],
-                    completions=completions,
-                    issued_at_version=g.issued_at_version,
+                    episodes=list(episodes),
+                    issued_at_version=group.issued_at_version,
                     gen_s=gen_s,
                 )
                 await self.bus.publish(self.bus.subjects.traj, traj)  # durable first...
-                await m.ack()  # ...then the prompt may go
-                self.groups_done += 1
-                self.tokens_done += traj.num_tokens
+                await msg.ack()  # ...then the prompt may go
+                self.stats.add_group(traj)
+        finally:
+            room.release()
+
+    # ------------------------------------------------------------------ evaluation
+
+    async def _eval_loop(self, task: Task, renderer: Renderer, params: SamplingParams, limits: EpisodeLimits) -> None:
+        sub = await self.bus.js.pull_subscribe_bind(
+            durable=self.bus.subjects.ROLLOUT_EVAL_CONSUMER, stream=self.bus.subjects.evalq_stream
+        )
+        try:
+            while not self.stopping.is_set():
+                try:
+                    (msg,) = await sub.fetch(1, timeout=0.5)
+                except asyncio.TimeoutError:
+                    continue
+                work = await self.bus.decode_or_dead_letter(msg, EvalTask)
+                if work is not None:
+                    await self._evaluate(msg, work, task, renderer, params, limits)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _evaluate(
+        self, msg: Msg, work: EvalTask, task: Task, renderer: Renderer, params: SamplingParams, limits: EpisodeLimits
+    ) -> None:
+        """One shard, greedy, at one version >= the requested one (weights pinned while it runs)."""
+        async with keep_in_progress([msg], period_s=self.cfg.bus.ack_wait_s / 3):
+            if not await self.follower.wait_for(work.version, self.stopping):
+                await msg.nak()
+                return
+            while self.engine.version < work.version:  # staged: switched in at the engine's next boundary
+                if await self.sleep_unless_stopping(0.01):
+                    await msg.nak()
+                    return
+            samples = [
+                Sample(id=s["sample_id"], prompt=s["prompt"], answer=s.get("answer", ""), meta=s.get("meta", {}))
+                for s in work.samples
+            ]
+            async with self.engine.pinned() as version:
+                outcome = await _until_stopped(
+                    self.stopping,
+                    evaluate(
+                        self.engine,
+                        renderer,
+                        task,
+                        samples,
+                        replace(params, max_new_tokens=work.max_new_tokens),
+                        limits,
+                    ),
+                )
+            if outcome is None:
+                await msg.nak()
+                return
+            result = EvalShardResult(
+                eval_id=work.eval_id,
+                shard=work.shard,
+                worker_id=self.actor_id,
+                version=version,
+                samples=outcome.samples,
+                reward_sum=outcome.reward_sum,
+                failed=outcome.failed + outcome.infra,
+                tokens=outcome.tokens,
+            )
+            await self.bus.publish(self.bus.subjects.eval_results, result)
+            await msg.ack()
+            self.stats.evals += 1
+
+
+async def _until_stopped(stopping: asyncio.Event, work: Any) -> Any:
+    """``await work`` unless the actor is asked to stop first (then the work is cancelled: None)."""
+    task = asyncio.ensure_future(work)
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None

@@ -1,12 +1,14 @@
-"""The run directory's record: metrics.jsonl, the group ledger, and summary.json.
+"""The run directory's record: metrics.jsonl, evals.jsonl, the group ledger, and summary.json.
 
-Written by the controller only, from durable bus streams, so every line can be rebuilt by
-replaying the METRICS and EVENTS streams.
+Written by the controller only, from durable bus streams, so every line can be rebuilt by replaying the
+METRICS and EVENTS streams. Every file is valid JSON: a non-finite float (a skipped step's grad norm) is
+written as null, never as a bare NaN.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -14,55 +16,86 @@ from typing import Any
 
 from miles.bus.schema import EvalResult, StepMetrics
 
+# Step metrics that are not per-step means of their own but counts summed into summary.json.
+EPISODE_SUMS = ("infra_excluded", "reward_failed", "tool_calls", "parse_errors", "truncated", "sandbox_failures")
+
+
+def finite(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None (recursively), for strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def _dumps(data: Any, **kw: Any) -> str:
+    return json.dumps(finite(data), allow_nan=False, **kw)
+
 
 def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=False)
+        f.write(_dumps(data, indent=2, sort_keys=False))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
 class RunRecord:
-    """Appends step metrics and ledger lines; writes the summary at the end."""
+    """Appends step metrics, evaluations and ledger lines; writes the summary at the end."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = run_dir / "metrics.jsonl"
+        self.evals_path = run_dir / "evals.jsonl"
         self.ledger_path = run_dir / "groups.jsonl"
         self.summary_path = run_dir / "summary.json"
         started = run_dir / "started_at"
         if not started.exists():
             started.write_text(f"{time.time()}\n")
         self.started_at = float(started.read_text())
-        self.evals: dict[int, float] = {}
+        self.evals: dict[int, float] = {}  # step of the evaluated version -> accuracy
+        self.eval_versions: dict[int, int] = {}  # requested version -> step
         self.staleness: list[int] = []
         self.groups_trained = 0
         self.samples_trained = 0
         self.dropped = 0
         self.requeued = 0
+        self.discard_reasons: dict[str, int] = {}
+        self.episode_sums: dict[str, float] = {}
         self.steps_seen: set[int] = set()
+        self.steps_replayed = 0
+        self.version_steps: dict[int, int] = {}
+        self.last_step: StepMetrics | None = None
 
     def ledger(self, event: str, **fields: Any) -> None:
         """One line per group event: issued, trained, dropped, requeued (the accounting trail)."""
         with open(self.ledger_path, "a") as f:
-            f.write(json.dumps({"event": event, "t": round(time.time(), 3), **fields}) + "\n")
+            f.write(_dumps({"event": event, "t": round(time.time(), 3), **fields}) + "\n")
 
-    def count_discarded(self, n: int, requeue: bool) -> None:
+    def count_discarded(self, n: int, requeue: bool, reason: str = "stale") -> None:
         if requeue:
             self.requeued += n
         else:
             self.dropped += n
+        self.discard_reasons[reason] = self.discard_reasons.get(reason, 0) + n
 
     def step(self, msg: StepMetrics, **extra: float) -> None:
-        if msg.step in self.steps_seen:  # a redelivered metrics message after a controller restart
+        self.version_steps[msg.policy_version] = msg.step
+        if msg.step in self.steps_seen:  # a replayed step (trainer restart) or a redelivery (controller restart)
+            self.steps_replayed += int(msg.replayed)
             return
         self.steps_seen.add(msg.step)
+        self.last_step = msg
         self.staleness.extend(msg.staleness)
         self.groups_trained += len(msg.trained_group_ids)
         self.samples_trained += int(msg.metrics.get("samples", 0))
+        for key in EPISODE_SUMS:
+            self.episode_sums[key] = self.episode_sums.get(key, 0.0) + msg.metrics.get(key, 0.0)
         for gid, lag in zip(msg.trained_group_ids, msg.staleness, strict=True):
             self.ledger("trained", group_id=gid, step=msg.step, staleness=lag)
         line = {
@@ -78,21 +111,36 @@ class RunRecord:
             "time": round(time.time() - self.started_at, 3),
         }
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(line) + "\n")
+            f.write(_dumps(line) + "\n")
 
     def eval(self, msg: EvalResult) -> None:
-        self.evals[msg.policy_version] = msg.accuracy
+        step = self.version_steps.get(msg.requested_version, 0 if not self.evals else max(self.evals) + 1)
+        if step in self.evals:
+            return
+        self.evals[step] = msg.accuracy
+        self.eval_versions[msg.requested_version] = step
+        line = {
+            "step": step,
+            "requested_version": msg.requested_version,
+            "policy_version": msg.policy_version,
+            "eval_accuracy": msg.accuracy,
+            "samples": msg.samples,
+            "failed": msg.failed,
+            "time": round(time.time() - self.started_at, 3),
+        }
+        with open(self.evals_path, "a") as f:
+            f.write(_dumps(line) + "\n")
 
     def write_summary(self, **fields: Any) -> dict[str, Any]:
-        """summary.json: the record's own figures plus ``fields`` from the controller (group accounting,
-        dead letters, worker versions, and the weight audit: ``weights_verified``, ``weights_mismatches``,
-        ``weights_unverifiable``, ``weights_pending``, ``weights_last_verified``, ``weights_recent_mismatches``).
-        The audit counters default to 0 so a reader can rely on them being present."""
-        versions = sorted(self.evals)
+        """summary.json: the record's own figures plus ``fields`` from the controller (status, group
+        accounting, dead letters, worker versions, and the weight audit). The audit counters default to 0
+        so a reader can rely on them being present."""
+        steps = sorted(self.evals)
         summary: dict[str, Any] = {
+            "status": "complete",
             "eval_before": self.evals.get(0),
-            "eval_after": self.evals[versions[-1]] if versions else None,
-            "eval_after_version": versions[-1] if versions else None,
+            "eval_after": self.evals[steps[-1]] if steps else None,
+            "eval_after_step": steps[-1] if steps else None,
             "wall_s": round(time.time() - self.started_at, 2),
             "staleness_mean": sum(self.staleness) / len(self.staleness) if self.staleness else 0.0,
             "staleness_max": max(self.staleness, default=0),
@@ -100,6 +148,9 @@ class RunRecord:
             "samples_trained": self.samples_trained,
             "trajectories_dropped": self.dropped + self.requeued,
             "trajectories_requeued": self.requeued,
+            "discard_reasons": dict(sorted(self.discard_reasons.items())),
+            "steps_replayed": self.steps_replayed,
+            **{key: self.episode_sums.get(key, 0.0) for key in EPISODE_SUMS},
             "weights_verified": 0,
             "weights_mismatches": 0,
             **fields,

@@ -1,16 +1,18 @@
-"""Trainer leader (rank 0): consume trajectories, train, checkpoint, publish weights, then ack.
+"""Trainer leader (rank 0): pulls trajectories, trains, publishes versions, checkpoints at an interval.
 
-Order of one step, chosen so that a crash at any point loses nothing and trains nothing twice:
+Per step: collect ``groups_per_step`` fresh, untrained trajectories from the durable TRAJ consumer; train
+(all ranks, :class:`~miles.training.rank_worker.RankWorker`); export and publish the new version, whose
+announcement names the TRAJ stream sequences of the batch (``consumed``); publish the step's metrics; ack
+the trajectories; every ``trainer.checkpoint_every`` steps write a sharded checkpoint that records the
+EVENTS position of its version's announcement.
 
-1. collect ``groups_per_step`` fresh trajectories (unacked; too-stale ones are discarded and acked);
-2. one optimizer step over all ranks;
-3. checkpoint model + optimizer + version + the ids of every trained group + the step's metrics;
-4. put the new weights in the data plane and announce them, then publish the step's metrics;
-5. ack the step's trajectories.
-
-A restart resumes from (3): it re-announces the checkpoint's weights if (4) did not happen,
-re-sends the step's metrics (deduplicated by message id), and acks-and-skips redelivered
-trajectories whose group id the checkpoint lists as trained.
+Exactly-once without unbounded memory (docs/architecture.md, "Delivery and restart contract"): acks do not
+wait for a checkpoint, because the announcements are the durable record of which batch made which
+version. After a crash the trainer restores the newest checkpoint and replays, on the restored weights,
+the batches of the versions published after it (:mod:`miles.training.recovery`), under new version
+numbers. Trained and discarded groups are remembered as a compact set of issue indexes
+(:class:`~miles.training.lineage.IndexSet`), staleness is measured along the version lineage
+(:class:`~miles.training.lineage.VersionLineage`).
 """
 
 from __future__ import annotations
@@ -19,23 +21,19 @@ import asyncio
 import time
 from typing import Any
 
+import torch
 from nats.aio.msg import Msg
 
 from miles.actors.base import Actor, keep_in_progress
 from miles.actors.trainer_ranks import LeaderRanks
-from miles.bus.client import KEY_TRAINER_VERSION
+from miles.algo.advantages import ADVANTAGES
 from miles.bus.dataplane import WeightStore
-from miles.bus.schema import (
-    EvalResult,
-    GroupsDiscarded,
-    Heartbeat,
-    StepMetrics,
-    TrainerDone,
-    Trajectory,
-    decode,
-    encode,
-)
-from miles.sync.publisher import WeightPublisher, delta_keep_versions
+from miles.bus.schema import GroupsDiscarded, Heartbeat, StepMetrics, TrainerDone, Trajectory, encode
+from miles.sync.publisher import Lineage, WeightPublisher, delta_keep_versions
+from miles.training.batch import build_batch
+from miles.training.lineage import IndexSet, VersionLineage
+from miles.training.recovery import fetch_batch, plan_recovery, read_history
+from miles.training.step import plan_batch
 
 
 class TrainerLeader(Actor):
@@ -44,37 +42,62 @@ class TrainerLeader(Actor):
     def __init__(self, *args: Any, ranks: LeaderRanks, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.ranks = ranks
-        self.version = 0
-        self.trained_ids: set[str] = set()
-        self.discarded_ids: set[str] = set()  # a late duplicate of a discarded group is not trained either
-        self.dropped = 0
-        self.requeued = 0
-        self.duplicates = 0
-        self.checkpoint_path = self.run_dir / "checkpoints" / "trainer.pt"
-        self._resent_step: bytes | None = None
+        eta = self.cfg.staleness.max_staleness
+        self.lineage = VersionLineage(alive={0: 0}, keep_steps=max(64, 4 * (eta + 1)))
+        self.resolved = IndexSet()  # issue indexes of groups trained or discarded
+        self.next_version = 1
+        self.events_seq = 0  # EVENTS position of the newest announcement (a checkpoint records it)
+        self.advantages = ADVANTAGES.build(self.cfg.trainer.algo.advantage)
+        self.counts = {"dropped": 0, "requeued": 0, "duplicates": 0, "no_signal": 0, "replayed_steps": 0}
+        self._last_checkpoint_step = 0
 
     def heartbeat(self) -> Heartbeat:
         stats = {
-            "trained_groups": float(len(self.trained_ids)),
-            "dropped": float(self.dropped),
-            "requeued": float(self.requeued),
-            "duplicates": float(self.duplicates),
+            "step": float(self.lineage.step),
+            "trained_groups": float(len(self.resolved)),
             "dead_lettered": float(self.bus.dead_lettered),
+            **{k: float(v) for k, v in self.counts.items()},
         }
-        return Heartbeat(role=self.role, actor_id=self.actor_id, version=self.version, stats=stats)
+        return Heartbeat(role=self.role, actor_id=self.actor_id, version=self.lineage.version, stats=stats)
 
-    # ------------------------------------------------------------------ main loop
+    # ------------------------------------------------------------------ start-up and recovery
 
     async def main(self) -> None:
-        from miles.actors.evaluator import Evaluator
+        cfg = self.cfg
+        await self._open_stores()
+        await self._recover()
+        sub = await self.bus.js.pull_subscribe_bind(
+            durable=self.bus.subjects.TRAINER_CONSUMER, stream=self.bus.subjects.traj_stream
+        )
+        last_step_end = time.perf_counter()
+        try:
+            while self.lineage.step < cfg.trainer.steps and not self.stopping.is_set():
+                collected = await self._collect(sub)
+                if collected is None:
+                    break  # stopping: the held trajectories were nak'ed for redelivery
+                msgs, trajs = collected
+                seqs = [m.metadata.sequence.stream for m in msgs]
+                await self._step(trajs, seqs, msgs, replayed=False, started=last_step_end)
+                last_step_end = time.perf_counter()
+        finally:
+            await sub.unsubscribe()
+        if self.lineage.step > self._last_checkpoint_step:  # done, or draining: nothing trained is redone
+            await self.ranks.call("save_checkpoint", self.lineage.step, self._checkpoint_extra())
+        await self.ranks.call("close")
+        if self.lineage.step >= cfg.trainer.steps:
+            done = TrainerDone(policy_version=self.lineage.version, steps=self.lineage.step)
+            await self.bus.publish(self.bus.subjects.done, done)
+            self.log.info("trainer_done", version=self.lineage.version, steps=self.lineage.step)
+        await self.ranks.stop()
 
+    async def _open_stores(self) -> None:
         cfg = self.cfg
         self.store = await WeightStore.create(
             self.bus.js, self.bus.subjects.run, replicas=cfg.bus.replicas, keep_versions=cfg.sync.keep_versions
         )
-        delta_store = None
+        self.delta_store = None
         if cfg.sync.mode == "delta":
-            delta_store = await WeightStore.create(
+            self.delta_store = await WeightStore.create(
                 self.bus.js,
                 self.bus.subjects.run,
                 replicas=cfg.bus.replicas,
@@ -87,69 +110,44 @@ class TrainerLeader(Actor):
             self.store,
             cfg.sync.dtype,
             mode=cfg.sync.mode,
-            delta_store=delta_store,
+            delta_store=self.delta_store,
             anchor_every=cfg.sync.anchor_every,
         )
-        self.evaluator = await self.ranks.run(Evaluator.create, cfg)
-        fresh = await self._restore()
-        weights = await self._export()
-        if await self.bus.get_int(KEY_TRAINER_VERSION, -1) < self.version:
-            await self.publisher.publish(weights, self.version)
-        if self._resent_step is not None:  # the crash may have come before the step's report went out
-            await self._publish_step(decode(self._resent_step, StepMetrics))
-        if fresh:
-            await self._evaluate(weights)
 
-        sub = await self.bus.js.pull_subscribe_bind(
-            durable=self.bus.subjects.TRAINER_CONSUMER, stream=self.bus.subjects.traj_stream
-        )
-        last_step_end = time.perf_counter()
-        try:
-            while self.version < cfg.trainer.steps and not self.stopping.is_set():
-                collected = await self._collect(sub)
-                if collected is None:
-                    break  # stopping: the held trajectories were nak'ed for redelivery
-                msgs, trajs = collected
-                metrics = await self._train(trajs)
-                step_s = time.perf_counter() - last_step_end
-                last_step_end = time.perf_counter()
-                await self._finish_step(msgs, trajs, metrics, step_s)
-        finally:
-            await sub.unsubscribe()
-        if self.version >= cfg.trainer.steps:
-            weights = await self._export()
-            if cfg.trainer.eval_every == 0 or self.version % cfg.trainer.eval_every:
-                await self._evaluate(weights)
-            await self.bus.publish(self.bus.subjects.done, TrainerDone(policy_version=self.version, steps=self.version))
-            self.log.info("trainer_done", version=self.version)
-        await self.ranks.stop()
-
-    async def _restore(self) -> bool:
-        """Load the checkpoint if there is one; returns True for a fresh start."""
-        if not self.checkpoint_path.exists():
-            return True
-        extra = await self.ranks.call("load_checkpoint", str(self.checkpoint_path))
-        self.version = int(extra["policy_version"])
-        self.trained_ids = set(extra["trained_group_ids"])
-        self.discarded_ids = set(extra.get("discarded_group_ids", []))
-        self._resent_step = extra.get("last_step_metrics")
-        self.log.info("trainer_resumed", version=self.version, trained_groups=len(self.trained_ids))
-        return False
-
-    async def _export(self) -> dict:
-        """The state to publish (and evaluate): the weights in rollout precision, or in LoRA mode only
-        the adapter. FP8/FP4 are quantized here, so workers run exactly these codes and scales."""
-        import torch
-
-        from miles.sync.precision import is_quantized, to_rollout_state
-
-        sync = self.cfg.sync
-        if sync.mode == "lora":
-            return await self.ranks.call("export_adapter", getattr(torch, sync.dtype))
-        if is_quantized(sync.dtype):
-            master = await self.ranks.call("export_weights", torch.float32)
-            return await asyncio.to_thread(to_rollout_state, master, sync.dtype)
-        return await self.ranks.call("export_weights", getattr(torch, sync.dtype))
+    async def _recover(self) -> None:
+        """Restore the newest checkpoint, supersede what was published after it, replay its lost steps."""
+        extra = await self.ranks.call("restore")
+        if extra is None:  # a fresh start: the initial weights are version 0, step 0
+            checkpoint_version, checkpoint_step = 0, 0
+        else:
+            checkpoint_version, checkpoint_step = int(extra["version"]), int(extra["step"])
+            self.lineage = VersionLineage.from_json(extra["lineage"], self.lineage.keep_steps)
+            self.resolved = IndexSet.from_json(extra["resolved"])
+            self.events_seq = int(extra["events_seq"])
+            self._last_checkpoint_step = checkpoint_step
+        history = await read_history(self.bus, self.events_seq)
+        plan = plan_recovery(checkpoint_version, checkpoint_step, history)
+        for index in history.discarded:
+            self.resolved.add(index)
+        self.lineage.supersede(plan.lost, fork_step=checkpoint_step)
+        stored = [await self.store.latest()] + ([await self.delta_store.latest()] if self.delta_store else [])
+        newest = max([history.max_version, checkpoint_version] + [v for v in stored if v is not None])
+        nothing_published = extra is None and history.max_version < 0
+        self.next_version = 0 if nothing_published else newest + 1
+        if nothing_published or plan.lost:
+            # Workers may hold a lost version: give them the restored weights under a new number at once.
+            await self._publish(step=checkpoint_step, consumed=[], replayed=bool(plan.lost))
+        if plan.lost:
+            self.log.warning(
+                "trainer_recovering",
+                checkpoint_step=checkpoint_step,
+                lost_versions=sorted(plan.lost),
+                replay_steps=[ann.step for ann in plan.replay],
+            )
+        for ann in plan.replay:
+            trajs = await fetch_batch(self.bus, list(ann.consumed))
+            await self._step(trajs, list(ann.consumed), [], replayed=True, started=time.perf_counter())
+            self.counts["replayed_steps"] += 1
 
     # ------------------------------------------------------------------ collecting
 
@@ -158,6 +156,7 @@ class TrainerLeader(Actor):
         want = self.cfg.trainer.groups_per_step
         msgs: list[Msg] = []
         trajs: list[Trajectory] = []
+        held: set[int] = set()
         async with keep_in_progress(msgs, period_s=self.cfg.bus.ack_wait_s / 3):
             while len(trajs) < want:
                 if self.stopping.is_set():
@@ -172,123 +171,121 @@ class TrainerLeader(Actor):
                     traj = await self.bus.decode_or_dead_letter(m, Trajectory)
                     if traj is None:
                         continue
-                    seen = traj.group_id in self.trained_ids or traj.group_id in self.discarded_ids
-                    if seen or any(t.group_id == traj.group_id for t in trajs):
-                        self.duplicates += 1
+                    index = traj.issue_index
+                    if index in self.resolved or index in held:
+                        self.counts["duplicates"] += 1
                         await m.ack()
                         continue
-                    if self.version - traj.oldest_version > self.cfg.staleness.max_staleness:
-                        await self._discard(m, traj)
+                    lag = self.lineage.distance(traj.oldest_version)
+                    if lag is None or lag > self.cfg.staleness.max_staleness:
+                        await self._discard(m, traj, "stale", requeue=self.cfg.staleness.on_stale == "requeue")
                         continue
+                    if not traj.trained_episodes:  # every episode failed: nothing to learn from this group
+                        infra = any(e.status == "infra_error" for e in traj.episodes)
+                        await self._discard(m, traj, "no_signal", requeue=infra)
+                        continue
+                    held.add(index)
                     msgs.append(m)
                     trajs.append(traj)
         return msgs, trajs
 
-    async def _discard(self, msg: Msg, traj: Trajectory) -> None:
-        requeue = self.cfg.staleness.on_stale == "requeue"
+    async def _discard(self, msg: Msg, traj: Trajectory, reason: str, *, requeue: bool) -> None:
         event = GroupsDiscarded(
-            group_ids=[traj.group_id], sample_ids=[traj.sample_id], requeue=requeue, trainer_version=self.version
+            group_ids=[traj.group_id],
+            sample_ids=[traj.sample_id],
+            requeue=requeue,
+            trainer_version=self.lineage.version,
+            reason=reason,  # type: ignore[arg-type]
         )
-        await self.bus.publish(self.bus.subjects.discarded, event)  # recorded durably before the ack
-        self.discarded_ids.add(traj.group_id)
+        ack = await self.bus.publish(self.bus.subjects.discarded, event)  # recorded durably before the ack
+        self.events_seq = max(self.events_seq, int(ack.seq))
+        self.resolved.add(traj.issue_index)
         await msg.ack()
-        if requeue:
-            self.requeued += 1
-        else:
-            self.dropped += 1
+        self.counts["requeued" if requeue else "dropped"] += 1
+        if reason == "no_signal":
+            self.counts["no_signal"] += 1
         self.log.info(
             "trajectory_discarded",
             group=traj.group_id,
+            reason=reason,
             version=traj.oldest_version,
-            trainer_version=self.version,
+            trainer_version=self.lineage.version,
             requeue=requeue,
         )
 
     # ------------------------------------------------------------------ training
 
-    async def _train(self, trajs: list[Trajectory]) -> dict[str, float]:
-        import torch
-
-        from miles.algo.advantages import group_advantages
-        from miles.backends.base import TrainSample
-
-        world = self.ranks.world_size
-        per_rank = len(trajs) // world
-        shards: list[list[TrainSample]] = [[] for _ in range(world)]
-        for i, traj in enumerate(trajs):
-            rewards = [c.reward for c in traj.completions]
-            advantages = group_advantages(torch.tensor(rewards), self.cfg.trainer.algo.advantage).tolist()
-            shard = shards[min(i // per_rank, world - 1)]
-            for comp, adv in zip(traj.completions, advantages, strict=True):
-                shard.append(
-                    TrainSample(
-                        prompt_ids=traj.prompt_ids,
-                        output_ids=comp.output_ids,
-                        behaviour_logprobs=comp.logprobs,
-                        advantage=float(adv),
-                        weight_version=comp.weight_version,
-                    )
-                )
-        result = await self.ranks.train_step(shards)
-        return dict(result.metrics)
-
-    async def _finish_step(
-        self, msgs: list[Msg], trajs: list[Trajectory], metrics: dict[str, float], step_s: float
+    async def _step(
+        self, trajs: list[Trajectory], seqs: list[int], msgs: list[Msg], *, replayed: bool, started: float
     ) -> None:
-        staleness = [self.version - t.oldest_version for t in trajs]
-        step = self.version
-        self.version += 1
-        self.trained_ids.update(t.group_id for t in trajs)
-        weights = await self._export()
-        every = self.cfg.trainer.eval_every
-        if every and self.version % every == 0:
-            metrics["eval_accuracy"] = await self._evaluate(weights)
-        rewards = [c.reward for t in trajs for c in t.completions]
-        tokens = sum(t.num_tokens for t in trajs)
-        metrics |= {
-            "reward_mean": sum(rewards) / len(rewards),
+        """Train one batch, publish its version, ack it, checkpoint if due."""
+        batch = build_batch(trajs, self.advantages)
+        lags = [self.lineage.distance(t.oldest_version) for t in trajs]
+        staleness = [lag if lag is not None else -1 for lag in lags]
+        dp_size = self.ranks.worker.backend.dp_size
+        plan = plan_batch(batch.samples, self.cfg.trainer.algo.minibatches, dp_size)
+        metrics = await self.ranks.call("train", plan)
+        step = self.lineage.step + 1
+        version = await self._publish(step=step, consumed=seqs, replayed=replayed)
+        step_s = time.perf_counter() - started
+        metrics |= batch.metrics | {
             "step_s": step_s,
-            "tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
-            "samples": float(len(rewards)),
+            "tokens_per_s": batch.metrics["tokens"] / step_s if step_s else 0.0,
         }
-        step_metrics = StepMetrics(
-            step=step,
-            policy_version=self.version,
+        report = StepMetrics(
+            step=step - 1,
+            policy_version=version,
             metrics=metrics,
             trained_group_ids=[t.group_id for t in trajs],
-            staleness=staleness,
+            staleness=[max(0, s) for s in staleness],
+            replayed=replayed,
         )
-        # The step's report travels inside the checkpoint, so a restart can re-send it if we die below.
-        extra = {
-            "policy_version": self.version,
-            "trained_group_ids": sorted(self.trained_ids),
-            "discarded_group_ids": sorted(self.discarded_ids),
-            "last_step_metrics": encode(step_metrics),
-        }
-        self.checkpoint_path.parent.mkdir(parents=True, exist_ok=True)
-        await self.ranks.call("save_checkpoint", str(self.checkpoint_path), extra)
-        await self.publisher.publish(weights, self.version)
-        await self._publish_step(step_metrics)
+        # The message id makes a re-sent report (a replayed step) a no-op in the stream.
+        await self.bus.js.publish(self.bus.subjects.step, encode(report), headers={"Nats-Msg-Id": f"step-v{version}"})
         for m in msgs:
             await m.ack_sync()
+        for t in trajs:
+            self.resolved.add(t.issue_index)
+        await self.ranks.run(self.ranks.worker.poll_checkpoint)
+        if self.ranks.worker.checkpoints.due(step):
+            await self.ranks.call("save_checkpoint", step, self._checkpoint_extra())
+            self._last_checkpoint_step = step
         self.log.info(
             "step",
-            step=step,
-            version=self.version,
+            step=step - 1,
+            version=version,
             reward=round(metrics["reward_mean"], 3),
-            staleness_max=max(staleness),
+            staleness_max=max(staleness, default=0),
+            replayed=replayed,
         )
 
-    async def _publish_step(self, step_metrics: StepMetrics) -> None:
-        """Publish a step's metrics; the message id makes a re-send after a restart a no-op."""
-        await self.bus.js.publish(
-            self.bus.subjects.step, encode(step_metrics), headers={"Nats-Msg-Id": f"step-{step_metrics.step}"}
-        )
+    async def _publish(self, *, step: int, consumed: list[int], replayed: bool) -> int:
+        """Export the current weights and publish them as the next version; returns the version."""
+        version = self.next_version
+        weights = await self._export()
+        published = await self.publisher.publish(weights, version, Lineage(step, consumed, replayed))
+        self.next_version = version + 1
+        self.events_seq = max(self.events_seq, published.seq)
+        self.lineage.advance(version, step)
+        return version
 
-    async def _evaluate(self, weights: dict) -> float:
-        accuracy, n = await self.ranks.run(self.evaluator.evaluate, weights, self.version)
-        await self.bus.publish(
-            self.bus.subjects.eval, EvalResult(policy_version=self.version, accuracy=accuracy, samples=n)
-        )
-        self.log.info("eval", version=self.version, accuracy=round(accuracy, 4))
-        return accuracy
+    async def _export(self) -> dict[str, torch.Tensor]:
+        """The state to publish: the weights in rollout precision, or in LoRA mode only the adapter. FP8/FP4
+        are quantized here, so workers run exactly these codes and scales."""
+        from miles.sync.precision import is_quantized, to_rollout_state
+
+        sync = self.cfg.sync
+        state = await self.ranks.call("export", sync.mode == "lora")
+        if sync.mode != "lora" and is_quantized(sync.dtype):
+            return await asyncio.to_thread(to_rollout_state, state, sync.dtype)
+        dtype = getattr(torch, "bfloat16" if is_quantized(sync.dtype) else sync.dtype)
+        return {name: t.to(dtype) for name, t in state.items()}
+
+    def _checkpoint_extra(self) -> dict[str, Any]:
+        return {
+            "step": self.lineage.step,
+            "version": self.lineage.version,
+            "events_seq": self.events_seq,
+            "resolved": self.resolved.to_json(),
+            "lineage": self.lineage.to_json(),
+        }

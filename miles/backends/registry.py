@@ -6,25 +6,34 @@ from miles.backends.base import TrainBackend
 from miles.config import RunConfig
 
 
-def build_backend(cfg: RunConfig, *, rank: int, world_size: int, master_addr: str, master_port: int) -> TrainBackend:
-    """Join the process group (several ranks), load the policy and wrap it for training."""
+class BackendUnavailable(RuntimeError):
+    """The configured backend cannot run here (no GPU, a missing extra); the message names what is missing."""
+
+
+def build_backend(
+    cfg: RunConfig, *, rank: int, world_size: int, master_addr: str, master_port: int
+) -> tuple[TrainBackend, int]:
+    """Join the trainer's process group, load the prepared policy and wrap it for training; returns the backend
+    and the pad token id. A one-rank trainer joins a one-rank group too, so FSDP2 (and its mixed precision)
+    runs the same code for one rank as for many."""
     backend_cfg = cfg.trainer.backend
     if backend_cfg.type == "megatron":
-        raise NotImplementedError(
+        raise BackendUnavailable(
             "trainer.backend.type=megatron needs GPUs and megatron-core (pip install 'miles[megatron]'); "
             "use trainer.backend.type=fsdp on CPU"
         )
     import torch
 
-    from miles.backends.distributed import init_distributed
+    from miles.backends.distributed import find_free_port, init_distributed
     from miles.backends.fsdp import FsdpBackend
-    from miles.models.loading import load_policy, resolve_model_dir
+    from miles.models.loading import load_policy, prepared_model_dir
 
-    if world_size > 1:
-        init_distributed(rank, world_size, master_addr, master_port, device=backend_cfg.device)
+    port = master_port if world_size > 1 else find_free_port()  # one rank: no rendezvous to agree on
+    init_distributed(rank, world_size, master_addr if world_size > 1 else "127.0.0.1", port, device=backend_cfg.device)
     torch.manual_seed(cfg.trainer.seed)
-    model_dir = resolve_model_dir(cfg.model, cfg.task)
+    model_dir = prepared_model_dir(cfg.model, cfg.task)
     model, tokenizer = load_policy(model_dir, "float32", backend_cfg.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     temperature = cfg.rollout.sampling.temperature or 1.0  # greedy rollouts: log-probs at T=1
-    return FsdpBackend(model, int(pad or 0), cfg.trainer, rank, world_size, temperature=temperature)
+    backend = FsdpBackend(model, cfg.trainer, rank, world_size, temperature=temperature)
+    return backend, int(pad or 0)

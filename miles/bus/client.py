@@ -13,6 +13,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from miles.bus.connect import connect
@@ -104,22 +105,29 @@ class Bus:
                 await msg.ack()
             return None
 
-    async def get_int(self, key: str, default: int) -> int:
+    async def get_bytes(self, key: str) -> bytes | None:
+        """The value of ``key`` in the state bucket, None when it was never written (or was deleted).
+
+        Only "absent" becomes None. A timeout, a lost connection or any other error is raised: read as
+        absent it would make, e.g., a restarted controller reset its admission state and re-issue group ids
+        the trainer already trained.
+        """
         try:
             entry = await self.kv.get(key)
-        except Exception:  # KeyNotFoundError / KeyDeletedError
-            return default
-        return int(entry.value.decode()) if entry.value else default
+        except (KeyNotFoundError, KeyDeletedError):
+            return None
+        return entry.value or None
+
+    async def get_int(self, key: str, default: int) -> int:
+        value = await self.get_bytes(key)
+        return default if value is None else int(value.decode())
 
     async def put_int(self, key: str, value: int) -> None:
         await self.kv.put(key, str(value).encode())
 
     async def get_str(self, key: str, default: str = "") -> str:
-        try:
-            entry = await self.kv.get(key)
-        except Exception:
-            return default
-        return entry.value.decode() if entry.value else default
+        value = await self.get_bytes(key)
+        return default if value is None else value.decode()
 
     async def put_str(self, key: str, value: str) -> None:
         await self.kv.put(key, value.encode())

@@ -9,13 +9,23 @@ docs/protocol.md is the language-neutral description of these models.
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# What changed at each version, for the dead-letter reason of a message from an older producer.
+SCHEMA_CHANGES = {
+    1: "schema 1 is single-turn: trajectories without loss masks, turns or end reasons, prompt groups without "
+    "sample metadata; upgrade that producer (docs/protocol.md, 'Schema versions')",
+}
+MAX_SAFE_INT = 2**53  # versions, steps and counts stay exact in every msgpack implementation, JSON included
+
+EndReason = Literal["done", "max_turns", "timeout", "context_full", "env_error", "infra_error"]
+EpisodeStatus = Literal["ok", "reward_failed", "infra_error"]
 
 
 class SchemaError(ValueError):
@@ -31,6 +41,9 @@ class Message(BaseModel):
 
 M = TypeVar("M", bound=Message)
 
+Version = Annotated[int, Field(ge=-1, lt=MAX_SAFE_INT)]
+Count = Annotated[int, Field(ge=0, lt=MAX_SAFE_INT)]
+
 
 # --------------------------------------------------------------------------- work items
 
@@ -39,85 +52,171 @@ class PromptGroup(Message):
     """One prompt to be sampled ``group_size`` times (a GRPO group). Subject ``<run>.prompts``."""
 
     KIND: ClassVar[str] = "prompt_group"
-    group_id: str = Field(description="Unique per issue: '<sample_id>#<attempt>'.")
+    group_id: str = Field(pattern=r"^g[0-9]+$", description="'g<issue_index>': unique per issue.")
     sample_id: str
-    prompt: str
-    answer: str
-    group_size: int
-    issue_index: int = Field(description="Controller's running count of issued groups, from 0.")
-    issued_at_version: int = Field(description="Trainer version when issued; a worker generates with >= this.")
-    attempt: int = Field(0, description="0 for a first issue, 1 for a re-issue of a discarded group's prompt.")
+    prompt: str = Field(description="The sample's prompt (a task's first user message, or raw text).")
+    answer: str = Field(description="Reference answer for the reward ('' when the task has none).")
+    meta: dict[str, Any] = Field(
+        default_factory=dict, description="The sample's other fields, as the task's reward receives them."
+    )
+    group_size: int = Field(ge=1, le=4096)
+    issue_index: Count = Field(description="Controller's running count of issued groups, from 0.")
+    issued_at_version: Version = Field(description="Trainer version when issued; a worker generates with >= this.")
+    attempt: Count = Field(0, description="0 for a first issue, n for the n-th re-issue of a discarded group.")
+
+    @model_validator(mode="after")
+    def _check_id(self) -> PromptGroup:
+        if self.group_id != f"g{self.issue_index}":
+            raise ValueError(f"group_id {self.group_id!r} is not 'g<issue_index>' (issue_index {self.issue_index})")
+        return self
 
 
-class Completion(Message):
-    KIND: ClassVar[str] = "completion"
-    output_ids: list[int]
-    logprobs: list[float] = Field(description="Behaviour log-prob per output token.")
-    reward: float
-    finish_reason: str
-    weight_version: int = Field(description="Policy version that generated the first (oldest) output token.")
-    version_spans: list[list[int]] = Field(
-        default_factory=list,
-        description="[start_index, version] pairs, increasing: the version in force from output token start_index "
-        "on (weights switched mid-generation). Empty: one span, every token at weight_version.",
+class Episode(Message):
+    """One sampled episode of a group: exactly the tokens the engine sampled, and those the environment added.
+
+    ``token_ids`` is everything after ``prompt_ids``; ``loss_mask[i]`` is 1 where ``token_ids[i]`` was sampled
+    by the model and is trained on, 0 on tokens the environment or the chat template added. ``turns`` are
+    ``[start, end, role]`` spans of ``token_ids`` (role ``model`` or ``env``), contiguous from 0 to the end;
+    the mask is 0 on every env turn. ``logprobs[i]`` is the behaviour log-prob of a model token (0.0 on env
+    tokens). ``version_spans`` (``[start, version]`` pairs over ``token_ids``) give the policy version in force
+    from model token ``start`` on; ``weight_version`` is the first span's (the oldest).
+    """
+
+    KIND: ClassVar[str] = "episode"
+    prompt_ids: list[int] = Field(min_length=1)
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    turns: list[tuple[int, int, Literal["model", "env"]]]
+    weight_version: Version
+    version_spans: list[tuple[int, int]] = Field(default_factory=list)
+    reward: float | None = Field(description="None unless status is ok.")
+    status: EpisodeStatus = Field(
+        description="ok: trained; reward_failed: the reward raised or was not finite; infra_error: the "
+        "infrastructure failed (sandbox, verifier). Anything but ok is excluded from its group's advantages."
+    )
+    end_reason: EndReason
+    truncated: bool = Field(False, description="The last model turn hit max_new_tokens.")
+    error: str = Field("", max_length=2000, description="Why status is not ok (one line).")
+    stats: dict[str, float] = Field(
+        default_factory=dict, description="Counters: turns, tool_calls, parse_errors, env_s, gen_s, ..."
     )
 
     @model_validator(mode="after")
-    def _check_spans(self) -> Completion:
+    def _check(self) -> Episode:
+        n = len(self.token_ids)
+        if len(self.loss_mask) != n or len(self.logprobs) != n:
+            raise ValueError(f"{n} tokens but {len(self.loss_mask)} mask entries and {len(self.logprobs)} logprobs")
+        if any(m not in (0, 1) for m in self.loss_mask):
+            raise ValueError("loss_mask entries must be 0 or 1")
+        position = 0
+        for start, end, role in self.turns:
+            if start != position or end < start:
+                raise ValueError("turns must be contiguous [start, end, role] spans from 0")
+            if role == "env" and any(self.loss_mask[start:end]):
+                raise ValueError("loss_mask must be 0 on environment turns")
+            position = end
+        if position != n:
+            raise ValueError(f"turns cover {position} of {n} tokens")
+        for i, (lp, m) in enumerate(zip(self.logprobs, self.loss_mask, strict=True)):
+            if m and not (math.isfinite(lp) and lp <= 1e-4):
+                raise ValueError(f"logprobs[{i}] = {lp} is not a finite log-probability")
+        if (self.status == "ok") != (self.reward is not None) or (
+            self.reward is not None and not math.isfinite(self.reward)
+        ):
+            raise ValueError("reward must be a finite number exactly when status is ok")
         spans = self.version_spans
-        if not spans:
-            return self
-        if any(len(s) != 2 for s in spans):
-            raise ValueError("version_spans entries must be [start_index, version] pairs")
-        if spans[0] != [0, self.weight_version]:
-            raise ValueError("version_spans must start with [0, weight_version]")
-        for (start, version), (nxt, nxt_version) in zip(spans, spans[1:]):
-            if nxt <= start or nxt_version < version:
-                raise ValueError("version_spans must have increasing starts and non-decreasing versions")
-        if spans[-1][0] >= max(len(self.output_ids), 1):
-            raise ValueError("version_spans start past the last output token")
+        if spans:
+            if spans[0] != (0, self.weight_version):
+                raise ValueError("version_spans must start with [0, weight_version]")
+            for (start, version), (nxt, nxt_version) in zip(spans, spans[1:]):
+                if nxt <= start or nxt_version < version:
+                    raise ValueError("version_spans must have increasing starts and non-decreasing versions")
+            if spans[-1][0] >= max(n, 1) or any(not (-1 <= v < MAX_SAFE_INT) for _, v in spans):
+                raise ValueError("version_spans out of range")
         return self
 
     @property
     def spans(self) -> list[tuple[int, int]]:
-        """``(start_index, version)`` per span, the default single span included."""
-        if not self.version_spans:
-            return [(0, self.weight_version)]
-        return [(int(start), int(version)) for start, version in self.version_spans]
+        """``(start, version)`` per span, the default single span included."""
+        return list(self.version_spans) or [(0, self.weight_version)]
 
     @property
     def oldest_version(self) -> int:
         return min(version for _, version in self.spans)
 
+    @property
+    def trained(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def num_model_tokens(self) -> int:
+        return sum(self.loss_mask)
+
     def token_versions(self) -> list[int]:
-        """The policy version that sampled each output token."""
+        """The policy version in force at each token (environment tokens take the span they fall in)."""
         out: list[int] = []
         spans = self.spans
-        for (start, version), (end, _) in zip(spans, [*spans[1:], (len(self.output_ids), 0)]):
+        for (start, version), (end, _) in zip(spans, [*spans[1:], (len(self.token_ids), 0)]):
             out.extend([version] * (end - start))
         return out
 
 
 class Trajectory(Message):
-    """A scored group of completions. Subject ``<run>.traj``."""
+    """The scored episodes of one prompt group. Subject ``<run>.traj``."""
 
     KIND: ClassVar[str] = "trajectory"
-    group_id: str
+    group_id: str = Field(pattern=r"^g[0-9]+$")
     sample_id: str
     worker_id: str
-    prompt_ids: list[int]
-    completions: list[Completion]
-    issued_at_version: int
-    gen_s: float = Field(description="Wall time the worker spent generating this group's batch.")
+    episodes: list[Episode] = Field(min_length=1)
+    issued_at_version: Version
+    gen_s: float = Field(ge=0, description="Wall time the worker spent on this group's episodes.")
+
+    @property
+    def trained_episodes(self) -> list[Episode]:
+        return [e for e in self.episodes if e.trained]
 
     @property
     def oldest_version(self) -> int:
-        """The oldest policy version behind any token of any completion (min over all version spans)."""
-        return min(c.oldest_version for c in self.completions)
+        """The oldest policy version behind any trained token (any token when nothing is trained)."""
+        episodes = self.trained_episodes or self.episodes
+        return min(e.oldest_version for e in episodes)
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(c.output_ids) for c in self.completions)
+        return sum(len(e.token_ids) for e in self.episodes)
+
+    @property
+    def issue_index(self) -> int:
+        return int(self.group_id[1:])
+
+
+class EvalTask(Message):
+    """A shard of a held-out evaluation. Subject ``<run>.evalq`` (work queue): any rollout worker takes it,
+    waits until it holds at least ``version``, and evaluates greedily at one version (pinned)."""
+
+    KIND: ClassVar[str] = "eval_task"
+    eval_id: str
+    version: Version = Field(description="Evaluate with this version or, if the worker holds a newer one, that.")
+    shard: Count
+    shards: int = Field(ge=1)
+    samples: list[dict[str, Any]] = Field(description="{sample_id, prompt, answer, meta} per held-out sample.")
+    max_new_tokens: int = Field(ge=1)
+
+
+class EvalShardResult(Message):
+    """A worker's result for one :class:`EvalTask`. Subject ``<run>.events.eval_results``."""
+
+    KIND: ClassVar[str] = "eval_shard_result"
+    eval_id: str
+    shard: Count
+    worker_id: str
+    version: Version = Field(description="The version the shard was evaluated at.")
+    samples: Count
+    reward_sum: float
+    failed: Count = Field(0, description="Samples whose reward failed (scored 0, counted here).")
+    tokens: Count = Field(0, description="Completion tokens generated.")
 
 
 # --------------------------------------------------------------------------- events
@@ -127,16 +226,27 @@ class WeightsAnnounced(Message):
     """New policy weights are in the data plane. Subject ``<run>.events.weights``."""
 
     KIND: ClassVar[str] = "weights_announced"
-    version: int
+    version: Version = Field(description="Unique per set of weights: never reused, even after a trainer restart.")
+    step: Count = Field(
+        0,
+        description="Rollout batches trained into these weights along their lineage (== version until a trainer "
+        "restart supersedes versions published after its checkpoint).",
+    )
+    consumed: list[Count] = Field(
+        default_factory=list,
+        description="Stream sequences in <run>_TRAJ of the trajectories trained into this version (its step's "
+        "batch): what a restarted trainer replays if this version is lost.",
+    )
+    replayed: bool = Field(False, description="The step re-trained, after a restart, a lost version's batch.")
     digest: str = Field(description="xxh3-128 hex of the payload bytes; verified before apply.")
-    size: int
-    chunks: int
+    size: Count
+    chunks: Count
     mode: Literal["full", "delta", "lora"] = Field(
         "full",
         description="full: the whole weight set; delta: changes against base_version; lora: only the LoRA adapter "
         "tensors, applied on the frozen base every worker already holds (docs/weight-sync.md).",
     )
-    base_version: int | None = Field(
+    base_version: Version | None = Field(
         None, description="Delta mode: the version the delta applies to (None for a full payload)."
     )
     format: Literal["safetensors", "miles-delta"] = Field(
@@ -197,10 +307,21 @@ class GroupsDiscarded(Message):
     """Trainer rejected groups as too stale. Subject ``<run>.events.discarded``."""
 
     KIND: ClassVar[str] = "groups_discarded"
-    group_ids: list[str]
+    group_ids: list[Annotated[str, Field(pattern=r"^g[0-9]+$")]]
     sample_ids: list[str]
     requeue: bool = Field(description="True: the controller re-issues these prompts; False: dropped.")
-    trainer_version: int
+    trainer_version: Version
+    reason: Literal["stale", "no_signal", "infra"] = Field(
+        "stale",
+        description="stale: older than the staleness bound; no_signal: no episode of the group can be trained "
+        "(every one failed or was infra-excluded).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> GroupsDiscarded:
+        if len(self.group_ids) != len(self.sample_ids):
+            raise ValueError(f"{len(self.group_ids)} group_ids but {len(self.sample_ids)} sample_ids")
+        return self
 
 
 class Control(Message):
@@ -218,28 +339,41 @@ class StepMetrics(Message):
     """One optimizer step. Subject ``<run>.metrics.step``."""
 
     KIND: ClassVar[str] = "step_metrics"
-    step: int
-    policy_version: int
+    step: Count = Field(description="The step's index along the surviving lineage (0-based).")
+    policy_version: Version = Field(description="The version these weights were published as.")
     metrics: dict[str, float]
     trained_group_ids: list[str]
-    staleness: list[int] = Field(description="Per trained group: trainer version minus its oldest token version.")
+    staleness: list[Count] = Field(
+        description="Per trained group: optimizer-step distance between the weights that generated its oldest "
+        "token and the weights it was trained into."
+    )
+    replayed: bool = Field(False, description="Re-trained after a restart (the lost version's batch).")
+
+    @model_validator(mode="after")
+    def _check(self) -> StepMetrics:
+        if len(self.staleness) != len(self.trained_group_ids):
+            raise ValueError("one staleness entry per trained group")
+        return self
 
 
 class EvalResult(Message):
     """Held-out accuracy of the published policy. Subject ``<run>.metrics.eval``."""
 
     KIND: ClassVar[str] = "eval_result"
-    policy_version: int
-    accuracy: float
-    samples: int
+    policy_version: Version = Field(description="The version evaluated (>= requested_version).")
+    accuracy: float = Field(ge=0.0, le=1.0, description="Mean reward of greedy episodes (accuracy for 0/1).")
+    samples: Count
+    requested_version: Version = Field(-1, description="The version the evaluation was issued for.")
+    eval_id: str = ""
+    failed: Count = 0
 
 
 class TrainerDone(Message):
     """The trainer finished all steps (after the final eval). Subject ``<run>.metrics.done``."""
 
     KIND: ClassVar[str] = "trainer_done"
-    policy_version: int
-    steps: int
+    policy_version: Version
+    steps: Count
 
 
 KINDS: dict[str, type[Message]] = {
@@ -247,6 +381,8 @@ KINDS: dict[str, type[Message]] = {
     for cls in (
         PromptGroup,
         Trajectory,
+        EvalTask,
+        EvalShardResult,
         WeightsAnnounced,
         WeightsHeld,
         Heartbeat,
@@ -277,7 +413,8 @@ def decode_any(data: bytes) -> Message:
         raise SchemaError(f"not a msgpack map but {type(body).__name__}")
     schema = body.pop("schema", None)
     if schema != SCHEMA_VERSION:
-        raise SchemaError(f"schema version {schema!r} (expected {SCHEMA_VERSION})")
+        why = SCHEMA_CHANGES.get(schema) if isinstance(schema, int) else None
+        raise SchemaError(f"schema version {schema!r} (expected {SCHEMA_VERSION})" + (f": {why}" if why else ""))
     kind = body.pop("kind", None)
     cls = KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:

@@ -15,7 +15,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 
 from miles.bus.subjects import Subjects
 
@@ -23,12 +23,19 @@ DAY_S = 24 * 3600.0
 
 
 def stream_configs(subjects: Subjects, replicas: int) -> list[StreamConfig]:
-    """The five streams of a run. Trajectories and metrics are file-backed: they are the run's record."""
+    """The streams of a run. Trajectories and metrics are file-backed: they are the run's record."""
     return [
         # Work queue: a message is removed once a rollout worker acks it (after its trajectory is durable).
         StreamConfig(
             name=subjects.prompts_stream,
             subjects=[subjects.prompts],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            num_replicas=replicas,
+        ),
+        StreamConfig(
+            name=subjects.evalq_stream,
+            subjects=[subjects.evalq],
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             num_replicas=replicas,
@@ -78,6 +85,13 @@ def consumer_configs(subjects: Subjects, ack_wait_s: float) -> dict[str, Consume
             max_deliver=-1,
             max_ack_pending=100_000,
         ),
+        subjects.evalq_stream: ConsumerConfig(
+            durable_name=subjects.ROLLOUT_EVAL_CONSUMER,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=ack_wait_s,
+            max_deliver=-1,
+            max_ack_pending=10_000,
+        ),
         subjects.traj_stream: ConsumerConfig(
             durable_name=subjects.TRAINER_CONSUMER,
             ack_policy=AckPolicy.EXPLICIT,
@@ -109,5 +123,5 @@ async def ensure_run_streams(js: JetStreamContext, subjects: Subjects, *, replic
         await js.add_consumer(stream, consumer)  # idempotent for an identical config
     try:
         await js.key_value(subjects.state_bucket)
-    except Exception:  # nats-py raises BucketNotFoundError or NotFoundError depending on version
+    except (BucketNotFoundError, NotFoundError):  # which one depends on the nats-py version
         await js.create_key_value(bucket=subjects.state_bucket, history=1, replicas=replicas)

@@ -22,6 +22,16 @@ class Subjects:
         return f"{self.run}.traj"
 
     @property
+    def evalq(self) -> str:
+        """Evaluation work (controller -> rollout workers), a work queue like prompts."""
+        return f"{self.run}.evalq"
+
+    @property
+    def eval_results(self) -> str:
+        """Rollout workers' results of evaluation shards (-> controller)."""
+        return f"{self.run}.events.eval_results"
+
+    @property
     def weights(self) -> str:
         return f"{self.run}.events.weights"
 
@@ -72,6 +82,10 @@ class Subjects:
         return f"{self.run}_TRAJ"
 
     @property
+    def evalq_stream(self) -> str:
+        return f"{self.run}_EVALQ"
+
+    @property
     def events_stream(self) -> str:
         return f"{self.run}_EVENTS"
 
@@ -85,6 +99,8 @@ class Subjects:
 
     # durable consumers
     ROLLOUT_CONSUMER: ClassVar[str] = "rollout"
+    ROLLOUT_EVAL_CONSUMER: ClassVar[str] = "rollout-eval"
+    CONTROLLER_EVAL_CONSUMER: ClassVar[str] = "controller-evals"
     TRAINER_CONSUMER: ClassVar[str] = "trainer"
     CONTROLLER_EVENTS_CONSUMER: ClassVar[str] = "controller-events"
     CONTROLLER_METRICS_CONSUMER: ClassVar[str] = "controller-metrics"

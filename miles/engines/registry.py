@@ -27,7 +27,10 @@ def build_engine(
             torch.set_num_threads(cfg.threads)
         model, tokenizer = load_policy(model_dir, cfg.dtype, cfg.device)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return TorchEngine(model, pad_token_id=pad if isinstance(pad, int) else 0, cfg=cfg, version=version, seed=seed)
+        from miles.engines._compat import AsyncBatchAdapter
+
+        inner = TorchEngine(model, pad_token_id=pad if isinstance(pad, int) else 0, cfg=cfg, version=version, seed=seed)
+        return AsyncBatchAdapter(inner)
     if cfg.type == "sglang":
         from miles.engines.sglang_engine import SglangEngine
 

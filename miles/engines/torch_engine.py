@@ -150,7 +150,7 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, switch: bool = True) -> list[Generation]:
         """One completion per prompt. Output ids include the stop token that ended a row, if any.
 
         Staged weights are applied first; weights staged while it runs switch in at a token boundary.
@@ -162,9 +162,10 @@ class TorchEngine:
         if params.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {params.max_new_tokens}")
         with self._lock, torch.inference_mode():
-            self._apply_pending_locked(at_token=None)
+            if switch:
+                self._apply_pending_locked(at_token=None)
             spans = [(0, self._version)]
-            tokens, logprobs, lengths, stopped = self._sample_loop(prompts, params, spans)
+            tokens, logprobs, lengths, stopped = self._sample_loop(prompts, params, spans, switch)
         gens = []
         for i, prompt in enumerate(prompts):
             # A span that starts at or after a row's end never sampled any of that row's tokens.
@@ -182,7 +183,7 @@ class TorchEngine:
         return gens
 
     def _sample_loop(
-        self, prompts: list[list[int]], params: SamplingParams, spans: list[tuple[int, int]]
+        self, prompts: list[list[int]], params: SamplingParams, spans: list[tuple[int, int]], switch: bool = True
     ) -> tuple[list[list[int]], list[list[float]], list[int], list[bool]]:
         """The batched loop; appends ``(first output index, version)`` to ``spans`` at every switch."""
         dev = self.device
@@ -214,7 +215,7 @@ class TorchEngine:
             if step + 1 == params.max_new_tokens or bool(finished.all()):
                 break
             # Token boundary: newer staged weights switch in here; the KV cache is kept (module docstring).
-            if self._pending and self._apply_pending_locked(at_token=step + 1):
+            if switch and self._pending and self._apply_pending_locked(at_token=step + 1):
                 spans.append((step + 1, self._version))
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=dev)], dim=1)  # (B, T+step+1)
             out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=next_pos, **fwd)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles.config import ArithmeticTaskConfig, JsonlTaskConfig, PretrainedModelConfig, TinyModelConfig
+from miles.config import PretrainedModelConfig
 
 if TYPE_CHECKING:
     import torch
@@ -24,24 +24,35 @@ class ModelNotFoundError(FileNotFoundError):
     """A pretrained model path that does not hold a loadable checkpoint."""
 
 
-def resolve_model_dir(
-    model_cfg: TinyModelConfig | PretrainedModelConfig, task_cfg: ArithmeticTaskConfig | JsonlTaskConfig
-) -> Path:
-    """Directory holding ``config.json``, weights and tokenizer for ``model_cfg``.
+class ModelNotPrepared(FileNotFoundError):
+    """The model a recipe names has not been prepared on this machine (``miles prepare RECIPE``)."""
 
-    The tiny model is built (or found in the cache) for ``task_cfg``; a pretrained path is only
-    checked, never downloaded.
-    """
-    if model_cfg.type == "tiny":
-        from miles.models.tiny import ensure_tiny_model
 
-        return ensure_tiny_model(model_cfg, task_cfg)
+def pretrained_dir(model_cfg: PretrainedModelConfig) -> Path:
+    """The checkpoint directory of ``model.path``, checked (never downloaded)."""
     path = Path(model_cfg.path).expanduser()
     if not path.is_dir():
         raise ModelNotFoundError(f"model.path {str(path)!r} is not a directory (no hub downloads are attempted)")
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"model.path {str(path)!r} has no config.json; is it a Hugging Face checkpoint?")
     return path
+
+
+def prepared_model_dir(model_cfg: Any, task_cfg: Any) -> Path:
+    """Directory holding ``config.json``, weights and tokenizer for ``model_cfg``, as :mod:`miles.prepare`
+    left it. Actors only locate what was prepared: they never build or warm up a model themselves."""
+    if model_cfg.type == "tiny":
+        from miles.models.tiny import is_built, tiny_model_dir
+        from miles.tasks.fingerprint import task_fingerprint
+
+        path = tiny_model_dir(model_cfg, task_fingerprint(task_cfg))
+        if not is_built(path):
+            raise ModelNotPrepared(
+                f"the tiny model of this recipe is not built on this machine ({path}); run `miles prepare RECIPE` "
+                "first (`miles run` does it for you)"
+            )
+        return path
+    return pretrained_dir(model_cfg)
 
 
 def to_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:

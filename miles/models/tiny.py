@@ -2,8 +2,12 @@
 
 It exists so that a full RL run (and the test-suite) needs no model download: the builder makes a
 policy that already emits well-formed answers but is only *sometimes* right, which leaves room for
-RL to show a measurable gain. Builds are cached by a hash of (model config, task config) and written
-atomically, so concurrent processes of one run can all call :func:`ensure_tiny_model`.
+RL to show a measurable gain. Builds are cached by a hash of (model config, task fingerprint) and
+written atomically.
+
+This module knows nothing of tasks or engines: the preparation step (:mod:`miles.prepare`) hands it the
+warm-up examples (token ids and a loss mask, rendered from the task's demonstrations exactly as episodes
+are rendered) and a function that measures held-out accuracy.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import string
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +31,25 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from miles.config import ArithmeticTaskConfig, JsonlTaskConfig, TinyModelConfig
-from miles.models.loading import encode_prompt
-from miles.tasks.base import Sample, Task
+from miles.config import TinyModelConfig
 
 log = structlog.get_logger(__name__)
 
 # Bump when the builder changes in a way that changes the built model, to invalidate caches.
-BUILD_FORMAT = 1
+BUILD_FORMAT = 2
 BUILD_INFO_FILE = "miles_build.json"
 TARGET_CHECK_EVERY = 10
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<unk>")
+# One token per chat role, so that a conversation costs a single token per turn boundary.
+ROLE_TOKENS: tuple[str, ...] = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
+# Each message is <|role|>content<eos>; a model turn is therefore its content, then <eos> (its stop token).
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}{{ '<|' + m['role'] + '|>' + m['content'] + '<eos>' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>' }}{%- endif -%}"
+)
+
+Example = tuple[list[int], list[int]]  # token ids, and 1 where a token is trained on (model-turn tokens)
 # Arithmetic characters get the lowest ids; the rest of printable ASCII lets JSONL tasks use it too.
 _CHARS: str = (
     string.digits
@@ -54,20 +65,24 @@ def default_cache_dir() -> Path:
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per character, specials ``<pad> <bos> <eos> <unk>`` at ids 0-3; left padding."""
-    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *_CHARS])}
+    """One token per character, specials ``<pad> <bos> <eos> <unk>`` at ids 0-3, one token per chat role
+    and a chat template (``<|role|>content<eos>`` per message); left padding."""
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *_CHARS, *ROLE_TOKENS])}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every char, newlines too
     core.decoder = decoders.Fuse()  # concatenate, no spaces between characters
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         bos_token="<bos>",
         eos_token="<eos>",
         pad_token="<pad>",
         unk_token="<unk>",
+        additional_special_tokens=list(ROLE_TOKENS),
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
@@ -93,23 +108,17 @@ def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast) -
     return model
 
 
-def _sft_example(tokenizer: PreTrainedTokenizerFast, sample: Sample) -> tuple[list[int], int]:
-    """``<bos>prompt answer<eos>`` ids (no separator: the completion is the answer) and the prompt length."""
-    prompt = encode_prompt(tokenizer, sample.prompt)
-    answer = list(tokenizer.encode(sample.answer, add_special_tokens=False)) + [tokenizer.eos_token_id]
-    return prompt + answer, len(prompt)
-
-
-def _collate(examples: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ids (B, T), attention mask (B, T) and labels (B, T) that are -100 off the answer."""
+def _collate(examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids (B, T), attention mask (B, T) and labels (B, T) that are -100 off the model turns."""
     width = max(len(ids) for ids, _ in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)  # (B, T)
     mask = torch.zeros_like(ids)  # (B, T)
     labels = torch.full_like(ids, -100)  # (B, T)
-    for i, (seq, prompt_len) in enumerate(examples):
-        ids[i, : len(seq)] = torch.tensor(seq)
+    for i, (seq, trained) in enumerate(examples):
+        row = torch.tensor(seq)
+        ids[i, : len(seq)] = row
         mask[i, : len(seq)] = 1
-        labels[i, prompt_len : len(seq)] = torch.tensor(seq[prompt_len:])
+        labels[i, : len(seq)] = torch.where(torch.tensor(trained, dtype=torch.bool), row, -100)
     return ids, mask, labels
 
 
@@ -127,17 +136,23 @@ def lr_factor(step: int, total: int) -> float:
 
 
 def warm_up(
-    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, task: Task, cfg: TinyModelConfig
+    model: LlamaForCausalLM,
+    pad_id: int,
+    examples: Sequence[Example],
+    cfg: TinyModelConfig,
+    accuracy: Callable[[LlamaForCausalLM], float] | None = None,
 ) -> tuple[int, float]:
-    """Supervised warm-up on the task's train split, loss on answer tokens only; returns (steps run, last loss).
+    """Supervised warm-up on the task's demonstrations, loss on model-turn tokens only; returns (steps run,
+    last loss).
 
     With ``cfg.warmup_target_accuracy`` set, greedy held-out accuracy is checked every
     ``TARGET_CHECK_EVERY`` steps and training stops as soon as it reaches the target. The step at
     which a seed crosses a given accuracy varies a lot (175 to 300 steps for 0.2 on the default task),
     so a target lands far closer to "sometimes right" than any fixed step count. The eval split only
-    picks the stopping step; it is never trained on.
+    picks the stopping step (through ``accuracy``); it is never trained on.
     """
-    examples = [_sft_example(tokenizer, s) for s in task.samples("train")]
+    if not examples:
+        raise ValueError("the warm-up needs at least one demonstration")
     gen = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, betas=(0.9, 0.98), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg.warmup_steps))
@@ -148,7 +163,7 @@ def warm_up(
     start = time.perf_counter()
     for step in range(1, cfg.warmup_steps + 1):
         pick = torch.randint(len(examples), (cfg.warmup_batch_size,), generator=gen).tolist()
-        ids, mask, labels = _collate([examples[i] for i in pick], tokenizer.pad_token_id)
+        ids, mask, labels = _collate([examples[i] for i in pick], pad_id)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -161,44 +176,35 @@ def warm_up(
                 "tiny warm-up", step=step, steps=cfg.warmup_steps, loss=round(loss_value, 4),
                 elapsed_s=round(time.perf_counter() - start, 2),
             )  # fmt: skip
-        if cfg.warmup_target_accuracy is not None and step % TARGET_CHECK_EVERY == 0:
+        if accuracy is not None and cfg.warmup_target_accuracy is not None and step % TARGET_CHECK_EVERY == 0:
             model.eval()
-            accuracy = measure_accuracy(model, tokenizer, task)
+            value = accuracy(model)
             model.train()
-            if accuracy >= cfg.warmup_target_accuracy:
-                log.info("tiny warm-up reached target", step=step, eval_accuracy=accuracy, loss=round(loss_value, 4))
+            if value >= cfg.warmup_target_accuracy:
+                log.info("tiny warm-up reached target", step=step, eval_accuracy=value, loss=round(loss_value, 4))
                 break
     model.eval()
     return step, loss_value
 
 
-def measure_accuracy(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, task: Task) -> float:
-    """Greedy held-out accuracy of ``model`` on the task's eval split."""
-    from miles.engines.torch_engine import TorchEngine
-    from miles.tasks.evaluate import evaluate
-
-    engine = TorchEngine(model, tokenizer.pad_token_id)
-    max_new = max(len(tokenizer.encode(s.answer, add_special_tokens=False)) for s in task.samples("eval")) + 2
-    return evaluate(engine, tokenizer, task, task.samples("eval"), max_new_tokens=max_new)
-
-
-def _task_fingerprint(task_cfg: ArithmeticTaskConfig | JsonlTaskConfig) -> dict[str, Any]:
-    """The task config, plus a digest of the JSONL train file's bytes (the warm-up reads it)."""
-    fp: dict[str, Any] = task_cfg.model_dump(mode="json")
-    if task_cfg.type == "jsonl":
-        train = Path(task_cfg.train_path)
-        fp["train_sha256"] = hashlib.sha256(train.read_bytes()).hexdigest() if train.is_file() else None
-    return fp
-
-
-def cache_key(model_cfg: TinyModelConfig, task_cfg: ArithmeticTaskConfig | JsonlTaskConfig) -> str:
+def cache_key(model_cfg: TinyModelConfig, task_fingerprint: dict[str, Any]) -> str:
     """Stable short hash of everything that determines the built model (not where it is cached)."""
     payload = {
         "format": BUILD_FORMAT,
         "model": model_cfg.model_dump(mode="json", exclude={"cache_dir"}),
-        "task": _task_fingerprint(task_cfg),
+        "task": task_fingerprint,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tiny_model_dir(model_cfg: TinyModelConfig, task_fingerprint: dict[str, Any]) -> Path:
+    """Where the tiny model of (``model_cfg``, task) is (or would be) cached."""
+    root = Path(model_cfg.cache_dir).expanduser() if model_cfg.cache_dir else default_cache_dir()
+    return root / f"tiny-{cache_key(model_cfg, task_fingerprint)}"
+
+
+def is_built(model_dir: Path) -> bool:
+    return (model_dir / BUILD_INFO_FILE).is_file()
 
 
 @contextlib.contextmanager
@@ -218,13 +224,15 @@ def _build_lock(path: Path) -> Iterator[None]:
 
 
 def build_tiny_model_dir(
-    model_cfg: TinyModelConfig, task_cfg: ArithmeticTaskConfig | JsonlTaskConfig, out_dir: Path
+    model_cfg: TinyModelConfig,
+    out_dir: Path,
+    examples: Sequence[Example],
+    accuracy: Callable[[LlamaForCausalLM], float],
+    task_info: dict[str, Any],
 ) -> dict[str, Any]:
-    """Build tokenizer + model, warm up, save both (safetensors) into ``out_dir``; return the build info."""
-    from miles.tasks.registry import build_task
-
+    """Build tokenizer + model, warm up on ``examples``, save both (safetensors) into ``out_dir``; return the
+    build info (written next to them)."""
     start = time.perf_counter()
-    task = build_task(task_cfg)
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(model_cfg, tokenizer)
     # One intra-op thread: the tiny matmuls gain nothing from more, and the float reduction order (so the
@@ -234,18 +242,17 @@ def build_tiny_model_dir(
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(model_cfg.seed)
-            steps_run, loss = warm_up(model, tokenizer, task, model_cfg)
+            steps_run, loss = warm_up(model, tokenizer.pad_token_id, examples, model_cfg, accuracy)
         warmup_s = time.perf_counter() - start
-        accuracy = measure_accuracy(model, tokenizer, task)
+        final_accuracy = accuracy(model)
     finally:
         torch.set_num_threads(threads)
     info = {
-        "key": cache_key(model_cfg, task_cfg),
         "model": model_cfg.model_dump(mode="json"),
-        "task": task_cfg.model_dump(mode="json"),
+        "task": task_info,
         "warmup_steps_run": steps_run,
         "final_loss": loss if math.isfinite(loss) else None,
-        "eval_accuracy": accuracy,
+        "eval_accuracy": final_accuracy,
         "build_s": round(time.perf_counter() - start, 3),
         "warmup_s": round(warmup_s, 3),
         "num_parameters": sum(p.numel() for p in model.parameters()),
@@ -253,32 +260,31 @@ def build_tiny_model_dir(
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     (out_dir / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2))
-    log.info("tiny model built", eval_accuracy=round(accuracy, 4), steps=steps_run, build_s=info["build_s"])
+    log.info("tiny model built", eval_accuracy=round(final_accuracy, 4), steps=steps_run, build_s=info["build_s"])
     return info
 
 
-def ensure_tiny_model(model_cfg: TinyModelConfig, task_cfg: ArithmeticTaskConfig | JsonlTaskConfig) -> Path:
-    """Directory of the tiny model for (``model_cfg``, ``task_cfg``), building it on a cache miss.
+def ensure_tiny_model(final: Path, build: Callable[[Path], Any]) -> Path:
+    """``final`` once a complete tiny-model build is there, calling ``build(tmp_dir)`` on a cache miss.
 
-    The build goes to a private temporary directory that is renamed into place, so a reader never
-    sees a half-written model even if the builder crashes.
+    The build goes to a private temporary directory that is renamed into place, so a reader never sees a
+    half-written model even if the builder crashes; an inter-process lock makes concurrent callers build once.
     """
-    root = Path(model_cfg.cache_dir).expanduser() if model_cfg.cache_dir else default_cache_dir()
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"tiny-{cache_key(model_cfg, task_cfg)}"
-    if (final / BUILD_INFO_FILE).is_file():
+    if is_built(final):
         return final
     with _build_lock(root / f".{final.name}.lock"):
-        if (final / BUILD_INFO_FILE).is_file():  # another process built it while we waited
+        if is_built(final):  # another process built it while we waited
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.", dir=root))
         try:
             log.info("building tiny model", dir=str(final))
-            build_tiny_model_dir(model_cfg, task_cfg, tmp)
+            build(tmp)
             try:
                 os.rename(tmp, final)
             except OSError as exc:
-                if not (final / BUILD_INFO_FILE).is_file():
+                if not is_built(final):
                     raise RuntimeError(f"{final} exists but is not a complete tiny-model build; delete it") from exc
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

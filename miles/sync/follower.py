@@ -1,15 +1,14 @@
 """Rollout side of weight sync: follow announcements, fetch and verify in the background, swap fast.
 
 The worker keeps generating while a new version downloads. Verified weights are handed to the
-engine's pending slot (:meth:`~miles.engines.torch_engine.TorchEngine.stage_weights`); a running
-generation switches to them at its next token boundary, an idle engine on
-:meth:`WeightFollower.apply_staged` or its next generate. The only generation pause is the
+engine's pending slot (:meth:`~miles.engines.base.StagingEngine.stage_weights`); a running generation
+switches to them at its next token boundary, an idle engine at once. The only generation pause is the
 in-place copy of already-verified tensors. A payload whose checksum fails is never staged: the
 follower logs and counts it, then fetches again after a short pause (the newest version, if a
 newer one was announced meanwhile), so a chunk damaged in transit costs a retry, not a deadlock.
 A worker several versions behind jumps straight to the newest version (the engine's slot never
 goes backwards either). A verified payload that does not fit the model (wrong keys or shapes) is
-a deployment error: it is raised from :meth:`wait_for` / :meth:`apply_staged`, failing the worker.
+a deployment error: it is raised from :meth:`wait_for`, failing the worker.
 
 LoRA mode: each announcement (``mode: lora``) carries the whole adapter, fetched like a full payload;
 :class:`~miles.sync.engine_weights.EngineWeights` merges it onto the frozen base and the engine takes
@@ -30,6 +29,7 @@ chain leaves the worker at the newest version it could verify until the next anc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -37,7 +37,7 @@ import structlog
 import torch
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from miles.bus.client import Bus, messages_until
+from miles.bus.client import Bus
 from miles.bus.dataplane import WeightStore
 from miles.bus.errors import BusError, ChecksumMismatch, PayloadMissing
 from miles.bus.schema import WeightsAnnounced
@@ -116,13 +116,37 @@ class WeightFollower:
         """Generation pause of the latest switch (the in-place copy)."""
         return self.engine.last_pause_s
 
+    def stats(self) -> dict[str, float]:
+        """Counters for the worker's heartbeat."""
+        return {
+            "syncs": float(self.syncs),
+            "checksum_failures": float(self.checksum_failures),
+            "last_pause_ms": self.last_pause_s * 1e3,
+            "last_fetch_ms": self.last_fetch_s * 1e3,
+            "delta_fallbacks": float(self.delta_fallbacks),
+            "sparse_stages": float(self.sparse_stages),
+            "last_fetch_bytes": float(self.last_fetch_bytes),
+            "fetched_bytes": float(self.fetched_bytes),
+            "fetches": float(self.fetches),
+        }
+
     async def run(self, stopping: asyncio.Event) -> None:
-        """Consume announcements (starting with the newest already published) until ``stopping``."""
+        """Consume announcements (starting with the newest already published) until ``stopping``.
+
+        The fetch runs as a child task so that announcements keep being read while a payload downloads; it is
+        supervised here: an error in it (other than the handled fetch failures) re-raises from this method.
+        """
         config = ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
         sub = await self.bus.js.subscribe(self.bus.subjects.weights, ordered_consumer=True, config=config)
         fetcher: asyncio.Task[None] | None = None
         try:
-            async for msg in messages_until(sub, stopping):
+            while not stopping.is_set():
+                if fetcher is not None and fetcher.done():
+                    fetcher.result()  # re-raise: a dead fetcher must fail the worker, not stall it
+                try:
+                    msg = await sub.next_msg(timeout=0.5)
+                except asyncio.TimeoutError:
+                    continue
                 ann = await self.bus.decode_or_dead_letter(msg, WeightsAnnounced)
                 if ann is None or (self.latest is not None and ann.version <= self.latest.version):
                     continue
@@ -131,9 +155,15 @@ class WeightFollower:
                     self._changed.notify_all()
                 if fetcher is None or fetcher.done():
                     fetcher = asyncio.create_task(self._fetch_newest(), name="weights.fetch")
+            if fetcher is not None and fetcher.done():
+                fetcher.result()
         finally:
-            if fetcher is not None:
+            if fetcher is not None and not fetcher.done():
                 fetcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await fetcher
+            with contextlib.suppress(Exception):  # best effort: the connection may already be closing
+                await sub.unsubscribe()
 
     async def _fetch_newest(self) -> None:
         """Fetch until the staged version is the newest announced one (skipping intermediate ones)."""
@@ -332,10 +362,3 @@ class WeightFollower:
         if self._error is not None:
             raise self._error
         return self.held_version >= version
-
-    def apply_staged(self) -> bool:
-        """Apply the engine's staged weights now if it is idle (a running generation does so itself at
-        its next token boundary). Returns True if it switched."""
-        if self._error is not None:
-            raise self._error
-        return self.engine.apply_pending()

@@ -13,6 +13,7 @@ does not hold the base catches up with the newest anchor plus the deltas after i
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from typing import Literal
 
 import structlog
@@ -28,6 +29,30 @@ from miles.sync.precision import state_digest
 log = structlog.get_logger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class Lineage:
+    """Where a version sits in the trainer's history (carried by its announcement): its step, the TRAJ
+    stream sequences of the batch trained into it, and whether that batch is a replay after a restart."""
+
+    step: int = 0
+    consumed: list[int] = field(default_factory=list)
+    replayed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """An announcement and its sequence in the EVENTS stream (the trainer's checkpoint records it)."""
+
+    announcement: WeightsAnnounced
+    seq: int
+
+
+async def announce(bus: Bus, announcement: WeightsAnnounced) -> Published:
+    ack = await bus.publish(bus.subjects.weights, announcement)
+    await bus.put_int(KEY_TRAINER_VERSION, announcement.version)
+    return Published(announcement, int(ack.seq))
+
+
 async def publish_weights(
     bus: Bus,
     store: WeightStore,
@@ -35,9 +60,10 @@ async def publish_weights(
     version: int,
     dtype: str,
     mode: Literal["full", "lora"] = "full",
-) -> WeightsAnnounced:
+    lineage: Lineage = Lineage(),
+) -> Published:
     """Upload ``state`` (a whole weight set, or a LoRA adapter for ``mode="lora"``) as ``version`` and
-    announce it; returns the announcement.
+    announce it.
 
     The announcement goes out only after every chunk is stored, so a worker that sees it can
     always fetch the payload (until it is purged, which falls back to the newest version).
@@ -46,6 +72,9 @@ async def publish_weights(
     info = await store.put(version, payload)
     announcement = WeightsAnnounced(
         version=version,
+        step=lineage.step,
+        consumed=list(lineage.consumed),
+        replayed=lineage.replayed,
         digest=info.digest,
         size=info.size,
         chunks=info.chunks,
@@ -54,10 +83,9 @@ async def publish_weights(
         mode=mode,
         state_digest=digest,
     )
-    await bus.publish(bus.subjects.weights, announcement)
-    await bus.put_int(KEY_TRAINER_VERSION, version)
-    log.info("weights_published", version=version, mode=mode, bytes=info.size, chunks=info.chunks)
-    return announcement
+    published = await announce(bus, announcement)
+    log.info("weights_published", version=version, step=lineage.step, mode=mode, bytes=info.size, chunks=info.chunks)
+    return published
 
 
 def _serialize_with_digest(state: dict[str, torch.Tensor], version: int) -> tuple[bytes, str]:
@@ -114,12 +142,12 @@ class WeightPublisher:
             return "anchor_every"
         return None
 
-    async def publish(self, state: dict[str, torch.Tensor], version: int) -> WeightsAnnounced:
+    async def publish(self, state: dict[str, torch.Tensor], version: int, lineage: Lineage = Lineage()) -> Published:
         """Publish ``version`` (full, a delta, or a full anchor) and announce it."""
         if self.mode != "delta":
-            ann = await publish_weights(self.bus, self.store, state, version, self.dtype, self.mode)
-            self.last_bytes = ann.size
-            return ann
+            published = await publish_weights(self.bus, self.store, state, version, self.dtype, self.mode, lineage)
+            self.last_bytes = published.announcement.size
+            return published
         state = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
         reason = self._wants_anchor(version)
         payload: bytes | None = None
@@ -134,15 +162,18 @@ class WeightPublisher:
                 reason = "encoder_refused"
                 log.warning("weights_delta_refused", version=version, error=str(exc))
         if payload is None:
-            ann = await publish_weights(self.bus, self.store, state, version, self.dtype)
+            published = await publish_weights(self.bus, self.store, state, version, self.dtype, lineage=lineage)
             self._anchor = version
             self.anchors += 1
-            log.info("weights_anchor_published", version=version, reason=reason, bytes=ann.size)
+            log.info("weights_anchor_published", version=version, reason=reason, bytes=published.announcement.size)
         else:
             assert self.delta_store is not None and self._prev is not None
             info = await self.delta_store.put(version, payload)
             ann = WeightsAnnounced(
                 version=version,
+                step=lineage.step,
+                consumed=list(lineage.consumed),
+                replayed=lineage.replayed,
                 digest=info.digest,
                 size=info.size,
                 chunks=info.chunks,
@@ -153,10 +184,9 @@ class WeightPublisher:
                 precision=self.dtype,
                 state_digest=await asyncio.to_thread(state_digest, state),
             )
-            await self.bus.publish(self.bus.subjects.weights, ann)
-            await self.bus.put_int(KEY_TRAINER_VERSION, version)
+            published = await announce(self.bus, ann)
             self.deltas += 1
             log.info("weights_delta_published", version=version, base=self._prev[0], bytes=info.size)
         self._prev = (version, state)
-        self.last_bytes = ann.size
-        return ann
+        self.last_bytes = published.announcement.size
+        return published

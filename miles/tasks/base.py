@@ -1,10 +1,20 @@
-"""The task interface: a prompt dataset with a reward function."""
+"""The task interface: a dataset of samples, and the environment an episode of one sample runs in.
+
+Every task runs on the episode path (:mod:`miles.rollout.episode`): a single-turn text task is an
+environment of one user message and one model turn (:class:`TextTask`), a terminal task one with a sandbox
+and a verifier. ``render`` says how an episode's opening messages become token ids (``raw``: BOS + text;
+``chat``: the tokenizer's chat template).
+"""
 
 from __future__ import annotations
 
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    from miles.rollout.env import ChatMessage, Environment, EpisodeSpec
 
 
 @dataclass(slots=True)
@@ -36,7 +46,33 @@ def first_answer(completion: str) -> str:
     return text[: match.start()] if match else text
 
 
-class ExactMatchTask:
+class TextTask(ABC):
+    """Base of single-turn text tasks: subclasses provide ``samples`` and ``reward(completion, sample)``."""
+
+    render: Literal["raw", "chat"] = "raw"
+
+    @abstractmethod
+    def samples(self, split: str) -> list[Sample]:
+        """Deterministic list of samples for ``split`` ("train" or "eval")."""
+
+    @abstractmethod
+    def reward(self, completion: str, sample: Sample) -> float:
+        """Score one decoded completion (prompt excluded) of ``sample``."""
+
+    def environment(self, spec: EpisodeSpec) -> Environment:
+        from miles.rollout.single_turn import SingleTurnEnv
+
+        return SingleTurnEnv(spec, self.reward)
+
+    def demonstration(self, sample: Sample) -> list[ChatMessage]:
+        """A correct conversation for the supervised warm-up: the prompt and its reference answer."""
+        return [{"role": "user", "content": sample.prompt}, {"role": "assistant", "content": sample.answer}]
+
+    def check(self) -> None:
+        """Nothing to check at start-up for a text task."""
+
+
+class ExactMatchTask(TextTask):
     """A task with fixed train/eval splits whose reward is an exact match of the first answer token.
 
     Subclasses build ``self._splits`` (``{"train": [...], "eval": [...]}``) in their constructor.
@@ -56,12 +92,22 @@ class ExactMatchTask:
 
 
 class Task(Protocol):
-    """A dataset split into train and held-out eval, plus a reward in [0, 1]."""
+    """A dataset split into train and held-out eval, and the environment of each episode."""
+
+    render: Literal["raw", "chat"]
 
     def samples(self, split: str) -> list[Sample]:
         """Deterministic list of samples for ``split`` ("train" or "eval")."""
         ...
 
-    def reward(self, completion: str, sample: Sample) -> float:
-        """Score one decoded completion (prompt excluded) of ``sample``."""
+    def environment(self, spec: EpisodeSpec) -> Environment:
+        """A fresh environment for one episode of the sample ``spec`` names."""
+        ...
+
+    def demonstration(self, sample: Sample) -> list[ChatMessage]:
+        """A correct full conversation for ``sample`` (the tiny model's supervised warm-up learns from it)."""
+        ...
+
+    def check(self) -> None:
+        """Raise with one line if the task cannot run here (e.g. no sandbox can start)."""
         ...

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.config import JsonlTaskConfig
-from miles.tasks.base import Sample
+from miles.tasks.base import Sample, TextTask
 
 RewardFn = Callable[[str, Sample], float]
 
@@ -78,7 +78,7 @@ def read_jsonl(path: str | Path, split: str, prompt_field: str, answer_field: st
     return samples
 
 
-class JsonlTask:
+class JsonlTask(TextTask):
     """Train/eval splits read from two JSONL files; ``reward`` delegates to the user's function."""
 
     def __init__(self, cfg: JsonlTaskConfig) -> None:

@@ -1,0 +1,116 @@
+"""Held-out evaluations, owned by the controller and played by rollout workers.
+
+When a version is due (the first, every ``eval.every`` steps, the last), the controller splits the eval
+split into shards of ``eval.shard_size`` samples and puts them on the EVALQ work queue; any worker takes a
+shard, plays it greedily with its weights pinned at one version >= the requested one, and publishes an
+:class:`~miles.bus.schema.EvalShardResult`. When every shard of an evaluation is in, the controller
+publishes the :class:`~miles.bus.schema.EvalResult` and records it. The trainer builds no model for it and
+never waits for it. Shards and results carry the evaluation id (``v<version>``) and their shard index, so a
+re-sent shard (a controller restart, a redelivery) is recognised and counted once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from miles.bus.client import Bus
+from miles.bus.schema import EvalResult, EvalShardResult, EvalTask, encode
+from miles.tasks.base import Sample
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class _Pending:
+    version: int
+    shards: int
+    results: dict[int, EvalShardResult] = field(default_factory=dict)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    result: EvalResult | None = None
+
+
+class EvalCoordinator:
+    """Issues evaluation shards and folds their results into one :class:`EvalResult` per evaluation."""
+
+    def __init__(self, bus: Bus, samples: list[Sample], *, every: int, shard_size: int, max_new_tokens: int) -> None:
+        self.bus = bus
+        self.samples = samples
+        self.every = every
+        self.shard_size = shard_size
+        self.max_new_tokens = max_new_tokens
+        self.pending: dict[str, _Pending] = {}
+        self.refused = 0  # results for an evaluation never issued, a shard out of range, or counted already
+
+    def due(self, step: int, last_step: int) -> bool:
+        """Evaluate the version of ``step``: the first, every ``every`` steps, and the last."""
+        return step == 0 or step == last_step or (self.every > 0 and step % self.every == 0)
+
+    async def request(self, version: int) -> str:
+        """Put the shards of an evaluation of ``version`` on the work queue (idempotent per version)."""
+        eval_id = f"v{version}"
+        if eval_id in self.pending:
+            return eval_id
+        chunks = [self.samples[i : i + self.shard_size] for i in range(0, len(self.samples), self.shard_size)]
+        self.pending[eval_id] = _Pending(version, len(chunks))
+        for shard, chunk in enumerate(chunks):
+            task = EvalTask(
+                eval_id=eval_id,
+                version=version,
+                shard=shard,
+                shards=len(chunks),
+                samples=[{"sample_id": s.id, "prompt": s.prompt, "answer": s.answer, "meta": s.meta} for s in chunk],
+                max_new_tokens=self.max_new_tokens,
+            )
+            # The message id makes a re-sent shard (a controller restarted mid-issue) a no-op in the stream.
+            await self.bus.js.publish(
+                self.bus.subjects.evalq, encode(task), headers={"Nats-Msg-Id": f"{eval_id}-{shard}"}
+            )
+        log.info("eval_requested", eval_id=eval_id, version=version, shards=len(chunks), samples=len(self.samples))
+        return eval_id
+
+    async def on_result(self, result: EvalShardResult) -> EvalResult | None:
+        """Fold one shard's result; returns the evaluation's result once its last shard is in."""
+        pending = self.pending.get(result.eval_id)
+        if pending is None or result.shard >= pending.shards or result.shard in pending.results:
+            self.refused += 1
+            log.warning("eval_result_refused", eval_id=result.eval_id, shard=result.shard, worker=result.worker_id)
+            return None
+        if result.version < pending.version:
+            self.refused += 1
+            log.warning("eval_result_refused", eval_id=result.eval_id, reason="older than requested")
+            return None
+        pending.results[result.shard] = result
+        if len(pending.results) < pending.shards:
+            return None
+        parts = list(pending.results.values())
+        samples = sum(r.samples for r in parts)
+        pending.result = EvalResult(
+            policy_version=min(r.version for r in parts),
+            accuracy=min(1.0, max(0.0, sum(r.reward_sum for r in parts) / samples)) if samples else 0.0,
+            samples=samples,
+            requested_version=pending.version,
+            eval_id=result.eval_id,
+            failed=sum(r.failed for r in parts),
+        )
+        await self.bus.js.publish(
+            self.bus.subjects.eval, encode(pending.result), headers={"Nats-Msg-Id": f"eval-{result.eval_id}"}
+        )
+        pending.done.set()
+        log.info("eval", version=pending.version, accuracy=round(pending.result.accuracy, 4), samples=samples)
+        return pending.result
+
+    async def wait(self, eval_id: str, timeout_s: float | None = None) -> EvalResult | None:
+        """The evaluation's result once complete (None if ``timeout_s`` passes first)."""
+        pending = self.pending[eval_id]
+        try:
+            await asyncio.wait_for(pending.done.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return None
+        return pending.result
+
+    def stats(self) -> dict[str, Any]:
+        return {"evals_pending": float(sum(not p.done.is_set() for p in self.pending.values()))}

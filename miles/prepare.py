@@ -1,0 +1,112 @@
+"""Preparation before launch: build the task and the model once, before NATS or any actor starts.
+
+``miles run`` calls :func:`prepare` first, and ``miles prepare RECIPE`` runs it alone (on every machine of a
+split run). Whatever can be wrong with a recipe's data is found here and reported in one line with exit 2:
+a missing or malformed JSONL file, a reward import path that does not resolve, task folders that do not
+load, a sandbox that cannot start, a model path that is not a checkpoint, a tokenizer without the chat
+template a task needs. The tiny model's build and supervised warm-up happen here too, so actors only load
+what was prepared (:func:`miles.models.loading.prepared_model_dir`) and never race to build it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from miles.config import RunConfig
+
+log = structlog.get_logger(__name__)
+
+
+class PrepareError(ValueError):
+    """The recipe cannot run: the message names the field, file or path at fault (one line)."""
+
+
+def prepare(cfg: RunConfig) -> Path:
+    """Check the task and make the model ready; returns the model directory."""
+    from miles.models.loading import ModelNotFoundError, load_tokenizer
+    from miles.rollout.render import Renderer, TemplateError
+    from miles.sandbox.base import SandboxError
+    from miles.tasks.jsonl import TaskError
+    from miles.tasks.registry import build_task
+
+    try:
+        task = build_task(cfg.task)
+        task.check()
+    except (TaskError, SandboxError, ValueError) as exc:
+        raise PrepareError(f"task: {exc}") from None
+    try:
+        model_dir = prepare_model(cfg, task)
+        Renderer(load_tokenizer(model_dir), task.render)  # the tokenizer can render this task's episodes
+    except (ModelNotFoundError, TemplateError) as exc:
+        raise PrepareError(f"model: {exc}") from None
+    return model_dir
+
+
+def prepare_model(cfg: RunConfig, task: Any = None) -> Path:
+    """The model directory of ``cfg.model``: a pretrained path checked, or the tiny model built (cached)."""
+    from miles.models.loading import pretrained_dir
+    from miles.models.tiny import ensure_tiny_model, tiny_model_dir
+    from miles.tasks.fingerprint import task_fingerprint
+    from miles.tasks.registry import build_task
+
+    if cfg.model.type != "tiny":
+        return pretrained_dir(cfg.model)
+    task = task if task is not None else build_task(cfg.task)
+    fingerprint = task_fingerprint(cfg.task)
+    final = tiny_model_dir(cfg.model, fingerprint)
+    return ensure_tiny_model(final, lambda out: _build_tiny(cfg, task, fingerprint, out))
+
+
+def _build_tiny(cfg: RunConfig, task: Any, fingerprint: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    from miles.models.loading import stop_token_ids
+    from miles.models.tiny import build_char_tokenizer, build_tiny_model_dir
+    from miles.rollout.render import Renderer, demonstration_tokens, turn_end_token
+
+    tokenizer = build_char_tokenizer()
+    renderer = Renderer(tokenizer, task.render)
+    stop_id = turn_end_token(renderer, stop_token_ids(tokenizer))
+    examples = [demonstration_tokens(renderer, task.demonstration(s), stop_id) for s in task.samples("train")]
+    accuracy = _accuracy_fn(cfg, task, renderer, tokenizer)
+    return build_tiny_model_dir(cfg.model, out_dir, examples, accuracy, fingerprint)
+
+
+def _accuracy_fn(cfg: RunConfig, task: Any, renderer: Any, tokenizer: Any) -> Callable[[Any], float]:
+    """Greedy held-out accuracy of a model, measured with the episodes the workers play (same renderer,
+    engine, environment and limits), to stop the warm-up at ``model.warmup_target_accuracy``."""
+    from miles.engines._compat import AsyncBatchAdapter
+    from miles.engines.base import SamplingParams
+    from miles.engines.torch_engine import TorchEngine
+    from miles.models.loading import stop_token_ids
+    from miles.rollout.episode import EpisodeLimits
+    from miles.rollout.evaluate import evaluate
+
+    samples = task.samples("eval")[: cfg.eval.max_samples]
+    episode = cfg.rollout.episode
+    limits = EpisodeLimits(
+        max_turns=episode.max_turns,
+        max_tokens=episode.max_tokens,
+        timeout_s=episode.timeout_s,
+        reward_timeout_s=episode.reward_timeout_s,
+        check_template=False,
+    )
+    params = SamplingParams(
+        max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.sampling.max_new_tokens,
+        temperature=0.0,
+        stop_token_ids=stop_token_ids(tokenizer),
+    )
+
+    def accuracy(model: Any) -> float:
+        engine = AsyncBatchAdapter(TorchEngine(model, tokenizer.pad_token_id))
+
+        async def run() -> float:
+            outcome = await evaluate(engine, renderer, task, samples, params, limits)
+            return outcome.accuracy
+
+        return asyncio.run(run())
+
+    return accuracy

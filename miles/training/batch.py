@@ -1,0 +1,77 @@
+"""From a rollout batch of trajectories to training samples and the batch's metrics.
+
+Only episodes with status ``ok`` are trained and enter their group's advantages: an episode whose reward
+failed, or that the infrastructure broke, is excluded and counted, never scored 0 (which would bias the
+group's baseline). Advantages come from the configured estimator over the whole batch's groups.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from miles.algo.advantages import AdvantageEstimator
+from miles.backends.base import TrainSample
+from miles.bus.schema import Trajectory
+
+
+@dataclass(slots=True)
+class Batch:
+    samples: list[TrainSample]
+    metrics: dict[str, float]
+
+
+def _percentile(values: Sequence[int], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return float(ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)])
+
+
+def build_batch(trajs: Sequence[Trajectory], advantages: AdvantageEstimator) -> Batch:
+    """Training samples of the batch's trainable episodes, and what the batch looked like."""
+    groups = [t.trained_episodes for t in trajs]
+    advs = advantages([[float(e.reward) for e in group] for group in groups])  # type: ignore[arg-type]
+    samples: list[TrainSample] = []
+    for group, group_adv in zip(groups, advs, strict=True):
+        for ep, adv in zip(group, group_adv, strict=True):
+            samples.append(
+                TrainSample(
+                    prompt_ids=list(ep.prompt_ids),
+                    token_ids=list(ep.token_ids),
+                    loss_mask=list(ep.loss_mask),
+                    behaviour_logprobs=list(ep.logprobs),
+                    advantage=float(adv),
+                    weight_version=ep.oldest_version,
+                )
+            )
+    episodes = [e for t in trajs for e in t.episodes]
+    trained = [e for group in groups for e in group]
+    rewards = [float(e.reward) for e in trained]  # type: ignore[arg-type]
+    lengths = [e.num_model_tokens for e in trained]
+    turns = [e.stats.get("turns", 0.0) for e in trained]
+
+    def total(key: str) -> float:
+        return float(sum(e.stats.get(key, 0.0) for e in episodes))
+
+    metrics = {
+        "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+        "samples": float(len(samples)),
+        "episodes": float(len(episodes)),
+        "infra_excluded": float(sum(e.status == "infra_error" for e in episodes)),
+        "reward_failed": float(sum(e.status == "reward_failed" for e in episodes)),
+        "truncated": float(sum(e.truncated for e in episodes)),
+        "groups_without_signal": float(sum(not g for g in groups)),
+        "length_mean": sum(lengths) / len(lengths) if lengths else 0.0,
+        "length_p50": _percentile(lengths, 50),
+        "length_p90": _percentile(lengths, 90),
+        "length_max": float(max(lengths, default=0)),
+        "turns_mean": sum(turns) / len(turns) if turns else 0.0,
+        "tool_calls": total("tool_calls"),
+        "parse_errors": total("parse_errors"),
+        "env_s_mean": total("env_s") / len(episodes) if episodes else 0.0,
+        "template_mismatches": total("template_mismatches"),
+        "tokens": float(sum(len(e.token_ids) for e in episodes)),
+    }
+    return Batch(samples, metrics)

@@ -1,0 +1,74 @@
+"""What every trainer rank runs, collectively: RL steps, weight export, checkpoints.
+
+Only rank 0 talks to the bus. It drives the other ranks by broadcasting method calls on this object
+(:mod:`miles.actors.trainer_ranks`), so every rank calls the same methods in the same order: the backend's
+collectives (FSDP's all-gathers, Megatron's schedules) line up by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from miles.training.checkpoint import CheckpointManager
+
+from miles.backends.base import TrainBackend, TrainSample
+from miles.config import RunConfig
+from miles.training.step import RLStep
+
+log = structlog.get_logger(__name__)
+
+
+class RankWorker:
+    """One rank's backend, RL step and checkpoint manager."""
+
+    def __init__(self, backend: TrainBackend, cfg: RunConfig, run_dir: Path, *, pad_id: int) -> None:
+        trainer = cfg.trainer
+        self.backend = backend
+        self.cfg = cfg
+        self.rl = RLStep(backend, trainer, pad_id=pad_id, device=getattr(trainer.backend, "device", "cpu"))
+        self.checkpoints = CheckpointManager(
+            run_dir / "checkpoints", trainer.checkpoint_every, trainer.keep_checkpoints, trainer.async_checkpoint
+        )
+
+    @property
+    def rank(self) -> int:
+        return self.backend.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.backend.world_size
+
+    def train(self, plan: Sequence[Sequence[Sequence[TrainSample]]]) -> dict[str, float]:
+        """One rollout batch: ``plan[dp_rank][minibatch]`` (:func:`miles.training.step.plan_batch`)."""
+        return self.rl.run(plan[self.backend.dp_rank])
+
+    def export(self, adapter_only: bool) -> dict[str, torch.Tensor]:
+        """The policy's tensors in HF names (float32), gathered one at a time; the dict is rank 0's only."""
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in self.backend.export_params(adapter_only=adapter_only):
+            if self.rank == 0:
+                out[name] = tensor
+        return out
+
+    def save_checkpoint(self, step: int, extra: dict[str, Any]) -> None:
+        self.checkpoints.save(step, self.backend, {**extra, "optimizer_steps": self.rl.steps_done})
+
+    def poll_checkpoint(self) -> int | None:
+        """Complete a finished asynchronous save (rank 0 writes its marker); never blocks."""
+        return self.checkpoints.poll()
+
+    def restore(self) -> dict[str, Any] | None:
+        """Load the newest complete checkpoint; its ``extra`` (every rank), or None for a fresh start."""
+        found = self.checkpoints.load_latest(self.backend)  # type: ignore[arg-type]
+        if found is None:
+            return None
+        step, extra = found
+        self.rl.steps_done = int(extra.get("optimizer_steps", step))
+        return extra
+
+    def close(self) -> None:
+        self.checkpoints.close()

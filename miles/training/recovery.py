@@ -1,0 +1,124 @@
+"""What a restarted trainer must redo, read from the bus: exactly-once by stream positions.
+
+A checkpoint records the EVENTS stream sequence of the last announcement it covers (``events_seq``). Every
+announcement names the TRAJ stream sequences of the batch trained into it (``consumed``). After a crash
+the trainer restores the newest complete checkpoint (step ``c``) and reads everything it published after
+``events_seq``:
+
+* announcements of versions newer than the checkpoint's are **lost**: their weights died with the process.
+  Their batches are **replayed**, on the restored weights, in step order, as new versions (a version number
+  always names exactly one set of weights; a lost one is superseded, never reused). When several
+  restarts left several branches, the newest announcement of each step wins: a replay trains the same
+  batch as the step it replays, so the per-step batches of all branches agree;
+* discards are still resolved (the controller re-issued or dropped them): their groups are not trained.
+
+Trajectories trained by a lost step were acked (the stream keeps them: limits retention) and are read back
+by sequence; a redelivered one (the crash came between announcement and ack) is recognised by its group
+and skipped. Nothing is lost, and nothing is applied twice to the weights that survive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import structlog
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from miles.bus.client import Bus
+from miles.bus.schema import GroupsDiscarded, SchemaError, Trajectory, WeightsAnnounced, decode
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class TrainerHistory:
+    """What the trainer published after a stream position."""
+
+    announcements: list[tuple[int, WeightsAnnounced]] = field(default_factory=list)  # (EVENTS seq, announcement)
+    discarded: list[int] = field(default_factory=list)  # issue indexes
+    last_seq: int = 0
+
+    @property
+    def max_version(self) -> int:
+        return max((ann.version for _, ann in self.announcements), default=-1)
+
+
+@dataclass(slots=True)
+class RecoveryPlan:
+    """Lost versions to supersede and the batches to replay, oldest step first."""
+
+    lost: dict[int, int]  # version -> step
+    replay: list[WeightsAnnounced]
+
+
+async def _read_subject(bus: Bus, subject: str, after_seq: int) -> list[tuple[int, bytes]]:
+    """Every message of ``subject`` in EVENTS with a stream sequence above ``after_seq``."""
+    try:
+        last = await bus.js.get_last_msg(bus.subjects.events_stream, subject)
+    except NotFoundError:
+        return []
+    if last.seq is None or last.seq <= after_seq:
+        return []
+    config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after_seq + 1)
+    sub = await bus.js.subscribe(subject, ordered_consumer=True, config=config)
+    out: list[tuple[int, bytes]] = []
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=10.0)
+            seq = msg.metadata.sequence.stream
+            out.append((seq, msg.data))
+            if seq >= last.seq:
+                return out
+    finally:
+        await sub.unsubscribe()
+
+
+async def read_history(bus: Bus, after_seq: int) -> TrainerHistory:
+    """Announcements and discards published after ``after_seq`` (a malformed one is skipped: the trainer is
+    the only legitimate publisher, and what it wrote decodes)."""
+    history = TrainerHistory(last_seq=after_seq)
+    announcements, discards = await asyncio.gather(
+        _read_subject(bus, bus.subjects.weights, after_seq), _read_subject(bus, bus.subjects.discarded, after_seq)
+    )
+    for seq, data in announcements:
+        try:
+            history.announcements.append((seq, decode(data, WeightsAnnounced)))
+        except SchemaError as exc:
+            log.warning("recovery_skipped_announcement", seq=seq, error=str(exc))
+        history.last_seq = max(history.last_seq, seq)
+    for seq, data in discards:
+        try:
+            event = decode(data, GroupsDiscarded)
+        except SchemaError as exc:
+            log.warning("recovery_skipped_discard", seq=seq, error=str(exc))
+            continue
+        history.discarded.extend(int(g[1:]) for g in event.group_ids)
+        history.last_seq = max(history.last_seq, seq)
+    return history
+
+
+def plan_recovery(checkpoint_version: int, checkpoint_step: int, history: TrainerHistory) -> RecoveryPlan:
+    """Which published versions are lost, and which batches to replay on the restored weights."""
+    lost: dict[int, int] = {}
+    by_step: dict[int, WeightsAnnounced] = {}
+    for _, ann in history.announcements:
+        if ann.version <= checkpoint_version:
+            continue
+        lost[ann.version] = ann.step
+        if ann.step > checkpoint_step and ann.consumed:
+            by_step[ann.step] = ann  # the newest announcement of a step wins (see the module docstring)
+    steps = sorted(by_step)
+    if steps and steps != list(range(checkpoint_step + 1, steps[-1] + 1)):
+        raise RuntimeError(f"the lost steps after checkpoint step {checkpoint_step} are not contiguous: {steps}")
+    return RecoveryPlan(lost=lost, replay=[by_step[s] for s in steps])
+
+
+async def fetch_batch(bus: Bus, seqs: list[int]) -> list[Trajectory]:
+    """The trajectories at these TRAJ stream sequences (a replayed step's batch)."""
+    out = []
+    for seq in seqs:
+        raw = await bus.js.get_msg(bus.subjects.traj_stream, seq)
+        out.append(decode(raw.data, Trajectory))
+    return out
