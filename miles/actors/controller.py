@@ -276,7 +276,7 @@ class Controller(Actor):
                 ]
                 self.record.step(message, worker_lag_mean=sum(lags) / len(lags) if lags else 0.0)
             elif isinstance(message, EvalResult):
-                self.record.eval(message)
+                self.record.eval(message, step=self.version_steps.get(message.requested_version, 0))
             elif isinstance(message, TrainerDone):
                 self._tasks.create_task(self._finish(message, done), name="controller.finish")
 

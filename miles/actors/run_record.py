@@ -58,7 +58,7 @@ class RunRecord:
         if not started.exists():
             started.write_text(f"{time.time()}\n")
         self.started_at = float(started.read_text())
-        self.evals: dict[int, float] = {}  # step of the evaluated version -> accuracy
+        self.evals: dict[int, float] = {}  # steps trained into the evaluated version -> accuracy
         self.eval_versions: dict[int, int] = {}  # requested version -> step
         self.staleness: list[int] = []
         self.groups_trained = 0
@@ -69,7 +69,6 @@ class RunRecord:
         self.episode_sums: dict[str, float] = {}
         self.steps_seen: set[int] = set()
         self.steps_replayed = 0
-        self.version_steps: dict[int, int] = {}
         self.last_step: StepMetrics | None = None
 
     def ledger(self, event: str, **fields: Any) -> None:
@@ -85,7 +84,6 @@ class RunRecord:
         self.discard_reasons[reason] = self.discard_reasons.get(reason, 0) + n
 
     def step(self, msg: StepMetrics, **extra: float) -> None:
-        self.version_steps[msg.policy_version] = msg.step
         if msg.step in self.steps_seen:  # a replayed step (trainer restart) or a redelivery (controller restart)
             self.steps_replayed += int(msg.replayed)
             return
@@ -113,8 +111,8 @@ class RunRecord:
         with open(self.metrics_path, "a") as f:
             f.write(_dumps(line) + "\n")
 
-    def eval(self, msg: EvalResult) -> None:
-        step = self.version_steps.get(msg.requested_version, 0 if not self.evals else max(self.evals) + 1)
+    def eval(self, msg: EvalResult, step: int) -> None:
+        """An evaluation of the version trained for ``step`` rollout batches (0: the initial policy)."""
         if step in self.evals:
             return
         self.evals[step] = msg.accuracy

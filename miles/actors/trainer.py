@@ -43,7 +43,7 @@ class TrainerLeader(Actor):
         super().__init__(*args, **kwargs)
         self.ranks = ranks
         eta = self.cfg.staleness.max_staleness
-        self.lineage = VersionLineage(alive={0: 0}, keep_steps=max(64, 4 * (eta + 1)))
+        self.lineage = VersionLineage(keep_steps=max(64, 4 * (eta + 1)))
         self.resolved = IndexSet()  # issue indexes of groups trained or discarded
         self.next_version = 1
         self.events_seq = 0  # EVENTS position of the newest announcement (a checkpoint records it)
@@ -133,6 +133,8 @@ class TrainerLeader(Actor):
         stored = [await self.store.latest()] + ([await self.delta_store.latest()] if self.delta_store else [])
         newest = max([history.max_version, checkpoint_version] + [v for v in stored if v is not None])
         nothing_published = extra is None and history.max_version < 0
+        if extra is None and not nothing_published:
+            self.lineage.alive[0] = 0  # the initial weights, rebuilt from the same model: version 0 stands
         self.next_version = 0 if nothing_published else newest + 1
         if nothing_published or plan.lost:
             # Workers may hold a lost version: give them the restored weights under a new number at once.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -158,9 +158,11 @@ class TrainBackend(Protocol):
         tensors. ``adapter_only``: only the LoRA adapter, under peft's saved names."""
         ...
 
-    def save_checkpoint(self, path: str) -> None:
+    def save_checkpoint(self, path: str, *, asynchronous: bool = False) -> Any:
         """Write this rank's shard of model and optimizer state (LoRA: adapters and their optimizer state
-        only) under directory ``path`` (torch.distributed.checkpoint or megatron's dist_checkpointing)."""
+        only) under directory ``path`` (torch.distributed.checkpoint or megatron's dist_checkpointing).
+        Asynchronous: returns a handle with ``done()`` and ``result()`` once the state is staged; else None
+        once written (:class:`miles.training.checkpoint.CheckpointManager` owns the rest)."""
         ...
 
     def load_checkpoint(self, path: str) -> None:

@@ -263,19 +263,27 @@ class FsdpBackend:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def checkpoint_state(self) -> tuple[nn.Module, torch.optim.Optimizer, bool]:
-        """What a checkpoint holds: the model, its optimizer, and whether only the adapters are trained."""
-        return self.model, self.optimizer, self.lora_scale is not None
-
-    def save_checkpoint(self, path: str) -> None:
+    def save_checkpoint(self, path: str, *, asynchronous: bool = False) -> Any:
+        """This rank's shard of model, optimizer and KL reference under ``path`` (DCP; LoRA: adapters and their
+        optimizer state only). Collective. Asynchronous: a handle whose ``result()`` waits for the write."""
         from miles.backends.fsdp_checkpoint import save_sharded
 
-        save_sharded(self.model, self.optimizer, path, adapter_only=self.lora_scale is not None)
+        return save_sharded(
+            self.model,
+            self.optimizer,
+            path,
+            adapter_only=self.lora_scale is not None,
+            asynchronous=asynchronous,
+            reference=self.ref_model,
+        )
 
     def load_checkpoint(self, path: str) -> None:
+        """Restore from ``path``, whatever rank count wrote it. Collective."""
         from miles.backends.fsdp_checkpoint import load_sharded
 
-        load_sharded(self.model, self.optimizer, path, adapter_only=self.lora_scale is not None)
+        load_sharded(
+            self.model, self.optimizer, path, adapter_only=self.lora_scale is not None, reference=self.ref_model
+        )
 
 
 def _full(value: Tensor) -> Tensor:

@@ -13,10 +13,10 @@ from typing import Any
 
 import structlog
 import torch
-from miles.training.checkpoint import CheckpointManager
 
 from miles.backends.base import TrainBackend, TrainSample
 from miles.config import RunConfig
+from miles.training.checkpoint import CheckpointManager
 from miles.training.step import RLStep
 
 log = structlog.get_logger(__name__)

@@ -34,11 +34,12 @@ def small_run_config(model_cache: Path, name: str, **overrides: Any) -> RunConfi
         "task.eval_size": 40,
         "rollout.workers": 2,
         "rollout.group_size": 4,
-        "rollout.groups_per_batch": 2,
+        "rollout.groups_in_flight": 2,
         "rollout.sampling.max_new_tokens": 3,
         "trainer.steps": 6,
         "trainer.groups_per_step": 4,
-        "trainer.eval_every": 3,
+        "eval.every": 3,
+        "trainer.checkpoint_every": 2,
         "staleness.max_staleness": 1,
         "bus.ack_wait_s": 4.0,
         "bus.heartbeat_s": 0.5,
@@ -173,7 +174,7 @@ def check_held_weights(cluster: Cluster) -> None:
     trajectories = asyncio.run(subject_messages(url, f"{run}_TRAJ", f"{run}.traj", Trajectory))
     digests = {a.version: a.state_digest for a in announced}
     reported = {(r.worker_id, r.version) for r in reports}
-    used = {(t.worker_id, v) for t in trajectories for c in t.completions for _, v in c.version_spans}
+    used = {(t.worker_id, v) for t in trajectories for e in t.episodes for _, v in e.spans}
     assert used and used <= reported, f"versions generated with but never reported: {sorted(used - reported)}"
     for r in reports:
         assert r.state_digest and r.state_digest == digests[r.version], f"{r.worker_id} v{r.version}"
@@ -184,9 +185,9 @@ def check_held_weights(cluster: Cluster) -> None:
 def run_to_completion(cfg: RunConfig, run_dir: Path, nats_url: str, timeout_s: float = 300) -> Cluster:
     """Controller, two rollout workers and a one-rank trainer as processes until the run ends; the
     accounting is checked. Returns the (stopped) cluster for its record and logs."""
-    from miles.models.loading import resolve_model_dir
+    from miles.prepare import prepare
 
-    resolve_model_dir(cfg.model, cfg.task)  # build the tiny model once, before the processes race for it
+    prepare(cfg)  # the model is built once, before any process starts
     cluster = Cluster(cfg=cfg, run_dir=run_dir, nats_url=nats_url)
     try:
         cluster.start_all(rollouts=2, ranks=1)

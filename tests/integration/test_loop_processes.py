@@ -25,9 +25,9 @@ pytestmark = pytest.mark.slow
 
 def _cluster(tmp_path: Path, server: EmbeddedNats, model_cache: Path, name: str, **overrides: object) -> Cluster:
     cfg = small_run_config(model_cache, name, **overrides)
-    from miles.models.loading import resolve_model_dir
+    from miles.prepare import prepare
 
-    resolve_model_dir(cfg.model, cfg.task)  # build once, before the processes race for it
+    prepare(cfg)  # build once, before the processes race for it
     return Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=server.url)
 
 

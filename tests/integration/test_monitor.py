@@ -66,9 +66,9 @@ def _scrape(port: int, until: str, timeout_s: float = 15.0) -> str:
 
 def test_monitor_json_prometheus_and_plots(tmp_path: Path, server: EmbeddedNats) -> None:
     cfg = small_run_config(tmp_path / "models", "mon", **{"trainer.steps": STEPS, "trainer.eval_every": 8})
-    from miles.models.loading import resolve_model_dir
+    from miles.prepare import prepare
 
-    resolve_model_dir(cfg.model, cfg.task)
+    prepare(cfg)
     cluster = Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=server.url)
     live: subprocess.Popen | None = None
     try:

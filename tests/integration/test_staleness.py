@@ -34,9 +34,9 @@ async def _all_trajectories(url: str, run: str) -> list[Trajectory]:
 @pytest.mark.parametrize("eta", [0, 1, 3])
 def test_no_trained_token_is_older_than_eta(tmp_path: Path, server: EmbeddedNats, model_cache: Path, eta: int) -> None:
     cfg = small_run_config(model_cache, f"eta{eta}", **{"staleness.max_staleness": eta, "trainer.steps": 8})
-    from miles.models.loading import resolve_model_dir
+    from miles.prepare import prepare
 
-    resolve_model_dir(cfg.model, cfg.task)
+    prepare(cfg)
     cluster = Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=server.url)
     try:
         cluster.start_all(rollouts=2, ranks=1)
