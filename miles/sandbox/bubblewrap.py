@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import re
 import shlex
@@ -166,8 +167,7 @@ class BubblewrapProvider:
         root, note = pids_root()
         if root is not None:
             try:
-                group = PidsGroup.create(root, 8)
-                group.path.rmdir()
+                PidsGroup.create(root, 8).remove_blocking()
             except OSError as exc:
                 root, note = None, f"cannot create a pids cgroup under {root}: {exc}"
         if root is None and self.cfg.pids_cgroup == "require":
@@ -189,8 +189,7 @@ class BubblewrapProvider:
                 raise SandboxError((proc.stderr or proc.stdout).strip() or f"exit status {proc.returncode}")
         finally:
             if group is not None:
-                with contextlib.suppress(OSError):  # already empty: the probe exited
-                    group.path.rmdir()
+                group.remove_blocking()
             space.remove()
 
     async def create(self, limits: SandboxLimits, *, environment: Path | None = None) -> BubblewrapSandbox:
@@ -228,8 +227,9 @@ def _state_dir(cfg: BubblewrapConfig) -> Path | None:
     return Path(cfg.state_dir) if cfg.state_dir else None
 
 
-def _system_args(cfg: BubblewrapConfig, launcher: Launcher, space: Workspace) -> list[str]:
-    """The read-only system, /etc, /proc, /dev and /tmp of every command."""
+@functools.cache
+def _host_system(etc: tuple[str, ...], ro_binds: tuple[str, ...]) -> tuple[str, ...]:
+    """bwrap arguments exposing the host's /usr, its /bin and /lib* links, and the chosen /etc entries."""
     args = ["--ro-bind", "/usr", "/usr"]
     for path in SYSTEM_LINKS:
         if os.path.islink(path):
@@ -237,12 +237,18 @@ def _system_args(cfg: BubblewrapConfig, launcher: Launcher, space: Workspace) ->
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
     args += ["--perms", "0755", "--dir", "/etc"]
-    for name in cfg.etc:
+    for name in etc:
         if os.path.lexists(f"/etc/{name}") and name not in ("passwd", "group"):
             args += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
-    args += ["--ro-bind", str(space.etc / "passwd"), "/etc/passwd", "--ro-bind", str(space.etc / "group"), "/etc/group"]
-    for path in cfg.ro_binds:
+    for path in ro_binds:
         args += ["--ro-bind", path, path]
+    return tuple(args)
+
+
+def _system_args(cfg: BubblewrapConfig, launcher: Launcher, space: Workspace) -> list[str]:
+    """The read-only system, /etc, /proc, /dev and /tmp of every command."""
+    args = list(_host_system(tuple(cfg.etc), tuple(cfg.ro_binds)))
+    args += ["--ro-bind", str(space.etc / "passwd"), "/etc/passwd", "--ro-bind", str(space.etc / "group"), "/etc/group"]
     args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777"]
     if launcher.version >= (0, 10):  # older bwrap has no --size: /tmp is then bounded per file only
         args += ["--size", str(cfg.tmp_mb * MIB)]
@@ -357,7 +363,7 @@ class BubblewrapSandbox:
         target = f"{self.cfg.workdir}/{work_path(path)}"
         script = '[ -e "$1" ] || exit 3; [ -f "$1" ] || exit 4; exec cat -- "$1"'
         cap = self.limits.file_size_mb * MIB
-        outcome = await self._exec(["/bin/sh", "-c", script, "sh", target], output_bytes=cap + 1)
+        outcome = await self._exec(["/bin/sh", "-c", script, "sh", target], output_bytes=cap)
         if outcome.returncode == 3 and outcome.killed is None:
             raise FileNotFoundError(f"sandbox file {path!r} does not exist")
         if outcome.killed is not None or outcome.returncode != 0 or outcome.truncated:
@@ -449,6 +455,11 @@ class BubblewrapSandbox:
         self._running.add(task)
         try:
             outcome = await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self._closed and task.cancelled() and not (current and current.cancelling()):
+                raise SandboxError("sandbox closed while a command ran") from None
+            raise
         finally:
             self._running.discard(task)
             os.close(write_fd)

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 import uuid
 from pathlib import Path
 
@@ -139,6 +140,22 @@ class PidsGroup:
             self.kill_all()
             await asyncio.sleep(0.02)
         return True
+
+    def remove_blocking(self, timeout_s: float = REMOVE_TIMEOUT_S) -> None:
+        """:meth:`remove` for synchronous callers (start-up checks): kill, wait until empty, delete."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError as exc:  # EBUSY: tasks of the finished command are still being reaped
+                if time.monotonic() > deadline:
+                    log.warning("sandbox.cgroup_remove_failed", path=str(self.path), error=str(exc))
+                    return
+            self.kill_all()
+            time.sleep(0.01)
 
     async def remove(self) -> None:
         """Empty and delete the group. Idempotent; a group that will not empty is logged and left."""
