@@ -46,3 +46,23 @@ def host_pids_of_uid(uid: int) -> list[int]:
 
 def running_as_root() -> bool:
     return os.geteuid() == 0
+
+
+def write_harbor_task(
+    folder: Path,
+    *,
+    test_sh: str,
+    instruction: str = "Write hi to out.",
+    files: dict[str, str] | None = None,
+    toml: str = "[verifier]\ntimeout_sec = 10.0\n",
+) -> Path:
+    """A Harbor task folder with ``files`` in environment/ and ``test_sh`` as the verifier."""
+    (folder / "environment").mkdir(parents=True)
+    (folder / "tests").mkdir()
+    (folder / "task.toml").write_text(toml)
+    (folder / "instruction.md").write_text(instruction + "\n")
+    for name, text in (files or {}).items():
+        (folder / "environment" / name).write_text(text)
+    (folder / "tests" / "test.sh").write_text(test_sh)
+    (folder / "tests" / "test.sh").chmod(0o700)  # private to the host user: the env stages it readable
+    return folder
