@@ -34,6 +34,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -117,6 +118,7 @@ class BubblewrapProvider:
     def __init__(self, cfg: BubblewrapConfig | None = None) -> None:
         self.cfg = cfg or BubblewrapConfig()
         self._launcher: Launcher | None = None
+        self._check_lock = threading.Lock()
 
     @property
     def launcher(self) -> Launcher:
@@ -131,8 +133,12 @@ class BubblewrapProvider:
 
         Blocks for a few milliseconds per candidate: call it at start-up (or through ``asyncio.to_thread``).
         """
-        if self._launcher is not None:
-            return
+        with self._check_lock:  # concurrent first create()s probe once
+            if self._launcher is None:
+                self._launcher = self._find_launcher()
+                log.info("sandbox.ready", provider="bubblewrap", detail=self._launcher.describe())
+
+    def _find_launcher(self) -> Launcher:
         as_root = os.geteuid() == 0
         prlimit, setpriv = _tool("prlimit"), _tool("setpriv")
         if prlimit is None:
@@ -154,11 +160,9 @@ class BubblewrapProvider:
                 launcher = Launcher(bwrap, origin, _version(bwrap), as_root, prlimit, setpriv, pids, pids_note)
                 self._probe(launcher)
             except (OSError, subprocess.SubprocessError, SandboxError) as exc:
-                errors.append(f"{origin} {bwrap}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}")
+                errors.append(f"{origin} {bwrap}: {(str(exc).strip() or repr(exc)).splitlines()[0]}")
                 continue
-            self._launcher = launcher
-            log.info("sandbox.ready", provider="bubblewrap", detail=launcher.describe())
-            return
+            return launcher
         raise SandboxUnavailable("bubblewrap sandbox unavailable: " + "; ".join(errors))
 
     def _pids(self) -> tuple[Path | None, str]:

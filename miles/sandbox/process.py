@@ -17,6 +17,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -77,10 +78,13 @@ async def _feed(stdin: asyncio.StreamWriter, data: bytes) -> None:
 
 
 async def _watch(check: Callable[[], KillReason | None]) -> KillReason:
-    """Poll ``check`` until it reports a limit."""
+    """Poll ``check`` until it reports a limit (a check that cannot read its source is a sandbox failure)."""
     while True:
         await asyncio.sleep(WATCH_INTERVAL_S)
-        reason = check()
+        try:
+            reason = check()
+        except OSError as exc:
+            raise SandboxError(f"cannot check the sandbox's limits: {exc}") from exc
         if reason is not None:
             return reason
 
@@ -171,9 +175,9 @@ async def _until_exit(
     timeout_reason: KillReason,
 ) -> KillReason | None:
     """Wait for the process to exit; return why it must be killed instead, if it must."""
-    waitables: set[asyncio.Task[object]] = {waiter, reader}  # type: ignore[arg-type]
+    waitables: set[asyncio.Task[Any]] = {waiter, reader}
     if watcher is not None:
-        waitables.add(watcher)  # type: ignore[arg-type]
+        waitables.add(watcher)
     while not waiter.done():
         remaining = deadline - time.monotonic()
         if remaining <= 0:

@@ -49,8 +49,12 @@ class Workspace:
             lease = UidLease.acquire(uid_pool[0], uid_pool[1], base / f"miles-sandbox-uids-{os.geteuid()}")
         uid, gid = (lease.uid, lease.uid) if lease else (os.getuid(), os.getgid())
         try:
-            root = Path(tempfile.mkdtemp(prefix="miles-sandbox-", dir=base))
-            space = cls(root, uid, gid, lease)
+            space = cls(Path(tempfile.mkdtemp(prefix="miles-sandbox-", dir=base)), uid, gid, lease)
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        try:
             space.work.mkdir(mode=0o755)
             space.etc.mkdir(mode=0o755)
             (space.etc / "passwd").write_text(f"sandbox:x:{uid}:{gid}:sandbox:{workdir}:/bin/sh\n")
@@ -59,8 +63,7 @@ class Workspace:
                 (space.etc / name).chmod(0o644)
             os.chown(space.work, uid, gid)
         except BaseException:
-            if lease is not None:
-                lease.release()
+            space.remove()
             raise
         return space
 

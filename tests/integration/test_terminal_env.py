@@ -193,6 +193,30 @@ async def test_the_sandbox_outlives_the_agent_budget_by_the_verifier_timeout(
     try:
         await env.reset()
         await env.step("$ echo hi > out")
-        assert await env.reward() == 1.0
+        slow = await env.step("$ sleep 5")  # runs into the agent's 1 s
+        late = await env.step("$ echo more")
+        assert await env.reward() == 1.0, "the verifier's 5 s are still there"
     finally:
         await env.close()
+    assert slow.messages[0]["content"] == "[killed: timeout]"
+    assert late.messages[0]["content"] == "[killed: episode_timeout]" and late.info["commands_killed"] == 1
+
+
+async def test_the_docs_worked_example(tmp_path: Path, provider: BubblewrapProvider) -> None:
+    """docs/agents.md's count-lines task, file for file."""
+    folder = write_harbor_task(
+        tmp_path / "count-lines",
+        instruction="Count the lines of log.txt and write the number to count.txt.",
+        files={"log.txt": "boot\nready\nshutdown\n"},
+        toml='version = "1.0"\n\n[task]\nname = "count-lines"\n\n[agent]\ntimeout_sec = 120.0\n\n'
+        "[verifier]\ntimeout_sec = 30.0\n",
+        test_sh="#!/bin/sh\n"
+        'if [ "$(tr -d \' \\n\' < count.txt 2>/dev/null)" = "$(cat /tests/expected)" ]; then r=1; else r=0; fi\n'
+        "echo $r > /logs/verifier/reward.txt\n",
+    )
+    (folder / "tests" / "expected").write_text("3\n")
+    task = load_task(folder)
+    _, reward = await replay(TerminalEnv(task, provider, SandboxLimits()), ["$ wc -l < log.txt > count.txt", "$ done"])
+    assert reward == 1.0
+    _, wrong = await replay(TerminalEnv(task, provider, SandboxLimits()), ["$ echo 4 > count.txt", "$ done"])
+    assert wrong == 0.0

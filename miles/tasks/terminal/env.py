@@ -12,6 +12,10 @@ An episode (see :mod:`miles.rollout.env` for the runner's side):
    reward is read from the host side of that directory. The agent never saw the tests, and nothing it wrote
    or left running can stand in for the verifier's reward file (its processes died with its commands).
 
+Time: the agent's commands are clamped to its budget (``limits.episode_timeout_s``, or the task's
+``[agent] timeout_sec`` if shorter; past it a command is not run and reads ``[killed: episode_timeout]``);
+the sandbox lives that long plus ``[verifier] timeout_sec``, so the verifier's time is never used up.
+
 ``step().info`` holds this step's counts (the runner sums them over the episode): ``tool_calls``,
 ``parse_errors``, ``env_s``, ``output_truncated``, ``commands_killed``.
 
@@ -39,7 +43,7 @@ from typing import Literal
 import structlog
 
 from miles.rollout.env import ChatMessage, EnvStep, InfraError
-from miles.sandbox.base import Mount, Sandbox, SandboxError, SandboxLimits, SandboxProvider
+from miles.sandbox.base import CommandResult, Mount, Sandbox, SandboxError, SandboxLimits, SandboxProvider
 from miles.tasks.terminal.harbor import HarborTask
 from miles.tasks.terminal.tools import Command, Finish, ParseError, format_observation, parse_action
 
@@ -65,9 +69,11 @@ class TerminalEnv:
     ) -> None:
         self.task = task
         self.provider = provider
-        # The sandbox lives through the agent's time and then the verifier's: reserve the latter.
-        agent_s = min(limits.episode_timeout_s, task.agent_timeout_s or math.inf)
-        self.limits = replace(limits, episode_timeout_s=agent_s + task.verifier_timeout_s)
+        # The sandbox lives through the agent's time and then the verifier's: the agent's commands are
+        # clamped to agent_s, so that the verifier's share is always left.
+        self.agent_s = min(limits.episode_timeout_s, task.agent_timeout_s or math.inf)
+        self.limits = replace(limits, episode_timeout_s=self.agent_s + task.verifier_timeout_s)
+        self._agent_deadline = math.inf
         self.system_prompt = system_prompt
         self.observation_chars = observation_chars
         self.observation_role = observation_role
@@ -84,6 +90,7 @@ class TerminalEnv:
             self._sandbox = await self.provider.create(self.limits, environment=self.task.environment)
         except SandboxError as exc:
             raise InfraError(f"task {self.task.name}: sandbox did not start: {exc}") from exc
+        self._agent_deadline = time.monotonic() + self.agent_s
         messages: list[ChatMessage] = []
         if self.system_prompt:
             messages.append({"role": "system", "content": self.system_prompt})
@@ -107,8 +114,12 @@ class TerminalEnv:
             info["env_s"] = time.monotonic() - start
             return EnvStep(messages=[self._observation(parsed.message)], info=info)
         assert isinstance(parsed, Command)
+        left = self._agent_deadline - start
         try:
-            result = await sandbox.run(parsed.command)
+            if left <= 0:
+                result = CommandResult(None, "", truncated=False, killed="episode_timeout", duration_s=0.0)
+            else:
+                result = await sandbox.run(parsed.command, timeout_s=min(self.limits.command_timeout_s, left))
         except SandboxError as exc:
             raise InfraError(f"task {self.task.name}: sandbox failed running a command: {exc}") from exc
         text, truncated = format_observation(result, self.observation_chars)
