@@ -2,9 +2,10 @@
 
 A :class:`SandboxProvider` makes sandboxes; a :class:`Sandbox` runs commands in a private writable work
 directory over a read-only system, without network, under resource limits, and kills the whole process
-tree of a command that overruns. Providers plug in by import path (``rollout.sandbox.provider``); the
-default is bubblewrap (:mod:`miles.sandbox.bubblewrap`). Docker, E2B, Daytona or Modal fit behind the same
-five methods (docs/agents.md).
+tree of a command that overruns. The default provider is bubblewrap (:mod:`miles.sandbox.bubblewrap`);
+others plug in by import path (``sandbox.provider: {type: import, factory: "pkg.mod:fn"}``, see
+:mod:`miles.sandbox.registry`). Docker, E2B, Daytona or Modal fit behind the same five methods
+(docs/agents.md).
 
 Every method is a coroutine and never blocks the event loop: a provider runs its processes with
 asyncio subprocesses (or threads).
@@ -40,7 +41,8 @@ class SandboxLimits:
     memory_mb: int = 512  # address space (RLIMIT_AS)
     processes: int = 64  # processes and threads alive at once in the sandbox (fork bombs stop here)
     file_size_mb: int = 16  # largest file a command may write (RLIMIT_FSIZE)
-    output_bytes: int = 8192  # stdout+stderr kept per command (the rest is dropped, flagged truncated)
+    output_bytes: int = 8192  # stdout+stderr kept per command (the rest is dropped, flagged truncated;
+    # a command that prints more than max(1 MiB, 64x this) is killed: "output")
     episode_timeout_s: float = 600.0  # wall clock for everything run in one sandbox
 
 
@@ -52,7 +54,7 @@ class Mount:
     writable: bool = False
 
 
-KillReason = Literal["timeout", "episode_timeout", "cpu", "memory", "processes", "file_size"]
+KillReason = Literal["timeout", "episode_timeout", "cpu", "memory", "processes", "file_size", "output"]
 
 
 @dataclass(frozen=True, slots=True)
