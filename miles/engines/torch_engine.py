@@ -313,11 +313,16 @@ class TorchEngine:
             return not self._stopping
 
     def _boundary(self) -> None:
-        """One token boundary: weights, departures, arrivals, then one token for every row."""
-        self._apply_staged()
+        """One token boundary: departures, arrivals, weights, then one token for every row.
+
+        Weights apply *after* admission: whatever was staged before a newcomer was submitted is then in the
+        slot when it is admitted, so its first token is at least that version (the rollout worker's staleness
+        floor: it waits until the version is staged, then submits).
+        """
         self._deliver(self._loop.retire())
         with self._cond:
             fresh = self._loop.admit(self._inbox)
+        self._apply_staged()
         if fresh:
             joined = self._loop.prefill(fresh, self._version)
             if joined is not None:

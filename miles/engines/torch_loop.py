@@ -4,7 +4,8 @@ The loop holds a *running batch*: one KV cache whose rows are requests at differ
 token boundary the engine thread calls, in order:
 
 1. :meth:`SamplingLoop.retire` - rows that finished (or whose caller cancelled) leave the batch;
-2. :meth:`SamplingLoop.admit` - requests waiting in the inbox are picked to join;
+2. :meth:`SamplingLoop.admit` - requests waiting in the inbox are picked to join (then the engine copies in
+   staged weights, if any);
 3. :meth:`SamplingLoop.prefill` - their prompts go through the model in one left-padded forward (one row
    per *distinct* prompt: a GRPO group's samples share one prefill, then the cache rows are repeated), and
    each newcomer samples its first token;

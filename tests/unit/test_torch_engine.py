@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from miles.engines.base import EngineError, Generation, SamplingParams
 from miles.engines.batch import generate_all, generate_all_sync
 from miles.engines.registry import build_engine
 from miles.engines.torch_engine import TorchEngine, _forward_kwargs
+from miles.engines.torch_loop import Request
 from miles.models import tiny
 from miles.models.loading import encode_prompt
 
@@ -502,6 +504,35 @@ async def test_version_spans_follow_an_in_flight_switch_while_requests_come_and_
         assert gen.version_spans == [(0, 1)]
         assert gen.logprobs == pytest.approx(teacher_forced_logprobs(new, prompt, gen.output_ids, temp), abs=1e-4)
     assert nxt.version_spans == [(0, 1)]
+
+
+async def test_weights_staged_before_admission_apply_before_the_first_token(
+    tok: PreTrainedTokenizerFast, prompts: list[list[int]], gates: list[ForwardGate]
+) -> None:
+    """The rollout worker's staleness floor (it waits until a version is staged, then submits): a request
+    sampled nothing before weights staged ahead of its admission are in. White-box: the stage is made to
+    land at the last moment, inside admission, where a boundary that applied weights first would miss it."""
+    engine = make_engine(tok, 0)
+    real_admit = engine._loop.admit
+    state = _state(tok, 1)
+
+    def admit_after_a_late_stage(inbox: deque[Request]) -> list[Request]:
+        if any(r.prompt == prompts[1] for r in inbox) and engine.pending_version is None and engine.version == 0:
+            assert engine.stage_weights(state, 1)  # the late request is about to be admitted
+        return real_admit(inbox)
+
+    engine._loop.admit = admit_after_a_late_stage  # type: ignore[method-assign]
+    async with engine:
+        gate = ForwardGate(engine.model, hold=1)
+        gates.append(gate)
+        running = asyncio.create_task(engine.generate(prompts[0], SamplingParams(max_new_tokens=6)))
+        await gate.wait_reached()  # admission of `running` is over; the next request is admitted later
+        late = asyncio.create_task(engine.generate(prompts[1], SamplingParams(max_new_tokens=3)))
+        await asyncio.sleep(0.01)
+        gate.release()
+        first, second = await running, await late
+    assert second.version_spans == [(0, 1)]
+    assert first.version_spans == [(0, 0), (2, 1)]
 
 
 async def test_pinned_holds_staged_weights_back(tok: PreTrainedTokenizerFast, prompts: list[list[int]]) -> None:
