@@ -14,11 +14,17 @@ from miles.engines.base import Engine, Generation, SamplingParams
 async def generate_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
     """One completion per prompt, all in flight together, in prompt order. The engine must be started.
 
-    If one request fails the others are cancelled and the failure is raised.
+    If a request fails, the others are cancelled and that failure is raised as it is (not wrapped in an
+    exception group), so callers can catch ``EngineError`` or ``ValueError``.
     """
-    async with asyncio.TaskGroup() as group:
-        tasks = [group.create_task(engine.generate(p, params), name=f"generate[{i}]") for i, p in enumerate(prompts)]
-    return [t.result() for t in tasks]
+    tasks = [asyncio.ensure_future(engine.generate(p, params)) for p in prompts]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def generate_all_sync(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:

@@ -383,6 +383,9 @@ async def test_invalid_requests_are_rejected(tok: PreTrainedTokenizerFast) -> No
         with pytest.raises(ValueError, match="token ids"):
             await engine.generate([1, len(tok) + 5], SamplingParams())
         assert len((await engine.generate([1], SamplingParams(max_new_tokens=2))).output_ids) == 2
+        with pytest.raises(ValueError, match="at least one token"):  # the failure itself, the others cancelled
+            await generate_all(engine, [[1] * 5, [], [1, 2]], SamplingParams(max_new_tokens=300))
+        await until(lambda: engine.running_rows == 0 and engine.queued == 0)
 
 
 def test_generate_all_sync_serves_code_outside_asyncio(tok: PreTrainedTokenizerFast, prompts: list[list[int]]) -> None:
