@@ -180,10 +180,10 @@ def run(cfg: RunConfig, threads: int | None) -> dict[str, Any]:
     import transformers
     import trl
     from datasets import Dataset
+    from miles.actors.evaluator import Evaluator
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from miles.actors.evaluator import Evaluator
     from miles.models.loading import encode_prompt, load_policy, resolve_model_dir
     from miles.tasks.registry import build_task
 

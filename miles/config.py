@@ -11,22 +11,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic import BaseModel, Field, Tag, ValidationError, model_validator
 
+from miles.config_base import Strict, variant
+from miles.models.families.config import FamilyModelConfig
+from miles.sandbox.config import SandboxConfig
+from miles.tasks.terminal.config import TerminalTaskConfig
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-def _variant(default: str) -> Discriminator:
-    """Discriminate on ``type``; a section that omits ``type`` gets the default variant."""
-
-    def tag(value: Any) -> str:
-        if isinstance(value, dict):
-            return str(value.get("type", default))
-        return str(getattr(value, "type", default))
-
-    return Discriminator(tag)
+_variant = variant
 
 
 # --------------------------------------------------------------------------- model
@@ -65,7 +57,10 @@ class PretrainedModelConfig(Strict):
 
 
 ModelConfig = Annotated[
-    Annotated[TinyModelConfig, Tag("tiny")] | Annotated[PretrainedModelConfig, Tag("pretrained")], _variant("tiny")
+    Annotated[TinyModelConfig, Tag("tiny")]
+    | Annotated[PretrainedModelConfig, Tag("pretrained")]
+    | Annotated[FamilyModelConfig, Tag("family")],
+    _variant("tiny"),
 ]
 
 
@@ -115,7 +110,8 @@ class CopyTaskConfig(Strict):
 TaskConfig = Annotated[
     Annotated[ArithmeticTaskConfig, Tag("arithmetic")]
     | Annotated[JsonlTaskConfig, Tag("jsonl")]
-    | Annotated[CopyTaskConfig, Tag("copy")],
+    | Annotated[CopyTaskConfig, Tag("copy")]
+    | Annotated[TerminalTaskConfig, Tag("terminal")],
     _variant("arithmetic"),
 ]
 
@@ -136,6 +132,15 @@ class TorchEngineConfig(Strict):
     device: str = Field("cpu", description="torch device for generation.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype.")
     threads: int | None = Field(1, description="torch intra-op threads per rollout process (None: torch default).")
+    max_batch: int = Field(
+        64, ge=1, description="Rows (requests) in the running batch; more wait in the queue until a row finishes."
+    )
+    max_prefill_tokens: int = Field(
+        4096,
+        ge=1,
+        description="Padded prompt tokens (distinct prompts x longest) prefilled at one token boundary; bounds "
+        "how long running rows wait while newcomers join (one request is always admitted).",
+    )
 
 
 class SglangEngineConfig(Strict):
@@ -151,6 +156,12 @@ class SglangEngineConfig(Strict):
     )
     keep_adapters: int = Field(
         2, ge=1, description="LoRA mode: adapter versions kept loaded in the server (older ones are unloaded)."
+    )
+    max_context: int | None = Field(
+        None,
+        ge=1,
+        description="Most tokens (prompt + output) per request; None: the checkpoint's max_position_embeddings. "
+        "Set it to the server's --context-length if that is smaller.",
     )
 
 
@@ -188,6 +199,9 @@ class RolloutConfig(Strict):
         4, ge=1, description="Prompt groups a worker plays at once; their episodes share the engine's batch."
     )
     episode: EpisodeConfig = Field(default_factory=EpisodeConfig, description="Turn, token and time limits.")
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig, description="Where agents' commands run (terminal tasks; docs/agents.md)."
+    )
 
 
 class EvalConfig(Strict):

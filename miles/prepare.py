@@ -35,7 +35,7 @@ def prepare(cfg: RunConfig) -> Path:
     from miles.tasks.registry import build_task
 
     try:
-        task = build_task(cfg.task)
+        task = build_task(cfg.task, sandbox=cfg.rollout.sandbox)
         task.check()
     except (TaskError, SandboxError, ValueError) as exc:
         raise PrepareError(f"task: {exc}") from None
@@ -56,7 +56,7 @@ def prepare_model(cfg: RunConfig, task: Any = None) -> Path:
 
     if cfg.model.type != "tiny":
         return pretrained_dir(cfg.model)
-    task = task if task is not None else build_task(cfg.task)
+    task = task if task is not None else build_task(cfg.task, sandbox=cfg.rollout.sandbox)
     fingerprint = task_fingerprint(cfg.task)
     final = tiny_model_dir(cfg.model, fingerprint)
     return ensure_tiny_model(final, lambda out: _build_tiny(cfg, task, fingerprint, out))
@@ -78,7 +78,6 @@ def _build_tiny(cfg: RunConfig, task: Any, fingerprint: dict[str, Any], out_dir:
 def _accuracy_fn(cfg: RunConfig, task: Any, renderer: Any, tokenizer: Any) -> Callable[[Any], float]:
     """Greedy held-out accuracy of a model, measured with the episodes the workers play (same renderer,
     engine, environment and limits), to stop the warm-up at ``model.warmup_target_accuracy``."""
-    from miles.engines._compat import AsyncBatchAdapter
     from miles.engines.base import SamplingParams
     from miles.engines.torch_engine import TorchEngine
     from miles.models.loading import stop_token_ids
@@ -101,10 +100,9 @@ def _accuracy_fn(cfg: RunConfig, task: Any, renderer: Any, tokenizer: Any) -> Ca
     )
 
     def accuracy(model: Any) -> float:
-        engine = AsyncBatchAdapter(TorchEngine(model, tokenizer.pad_token_id))
-
         async def run() -> float:
-            outcome = await evaluate(engine, renderer, task, samples, params, limits)
+            async with TorchEngine(model, tokenizer.pad_token_id) as engine:
+                outcome = await evaluate(engine, renderer, task, samples, params, limits)
             return outcome.accuracy
 
         return asyncio.run(run())

@@ -106,7 +106,7 @@ class Controller(Actor):
         from miles.tasks.registry import build_task
 
         cfg = self.cfg
-        task = build_task(cfg.task)
+        task = build_task(cfg.task, sandbox=cfg.rollout.sandbox)
         self.samples = {s.id: s for s in task.samples("train")}
         self.order = list(self.samples)
         held_out = task.samples("eval")[: cfg.eval.max_samples]

@@ -72,7 +72,7 @@ class RolloutWorker(Actor):
 
         cfg = self.cfg
         model_dir = prepared_model_dir(cfg.model, cfg.task)
-        task = build_task(cfg.task)
+        task = build_task(cfg.task, sandbox=cfg.rollout.sandbox)
         await asyncio.to_thread(task.check)
         seed = cfg.seed * 1_000_003 + zlib.crc32(self.actor_id.encode())  # distinct samples per worker
         # Version -1: the engine generates nothing until it holds a published, verified version (even

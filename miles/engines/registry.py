@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from miles.config import SglangEngineConfig, TorchEngineConfig
@@ -11,11 +12,11 @@ from miles.engines.base import Engine
 def build_engine(
     cfg: TorchEngineConfig | SglangEngineConfig, model_dir: str | Path, version: int = 0, seed: int | None = None
 ) -> Engine:
-    """An engine serving the checkpoint in ``model_dir`` at policy ``version``.
+    """An engine (not started) serving the checkpoint in ``model_dir`` at policy ``version``.
 
     For ``torch`` the model is loaded here (and ``cfg.threads`` applied to this process, since torch's
     intra-op pool is per process); ``seed`` seeds its sampling. For ``sglang`` the server already holds
-    the model, so ``model_dir`` and ``seed`` are unused.
+    the model; ``model_dir`` only supplies the context window when ``cfg`` does not, and ``seed`` is unused.
     """
     if cfg.type == "torch":
         import torch
@@ -27,12 +28,23 @@ def build_engine(
             torch.set_num_threads(cfg.threads)
         model, tokenizer = load_policy(model_dir, cfg.dtype, cfg.device)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        from miles.engines._compat import AsyncBatchAdapter
-
-        inner = TorchEngine(model, pad_token_id=pad if isinstance(pad, int) else 0, cfg=cfg, version=version, seed=seed)
-        return AsyncBatchAdapter(inner)
+        return TorchEngine(model, pad_token_id=pad if isinstance(pad, int) else 0, cfg=cfg, version=version, seed=seed)
     if cfg.type == "sglang":
         from miles.engines.sglang_engine import SglangEngine
 
-        return SglangEngine(cfg, version=version)
+        max_context = cfg.max_context or checkpoint_context(model_dir)
+        return SglangEngine(cfg, version=version, max_context=max_context)
     raise ValueError(f"unknown engine type {cfg.type!r}")
+
+
+def checkpoint_context(model_dir: str | Path) -> int | None:
+    """``max_position_embeddings`` from ``model_dir/config.json`` (or its ``text_config``); None if absent."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    for section in (config, config.get("text_config") or {}):
+        value = section.get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

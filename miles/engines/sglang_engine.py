@@ -1,18 +1,25 @@
-"""Engine that drives an SGLang server over its native HTTP API (stdlib ``urllib`` only).
+"""Engine that drives an SGLang server over its native HTTP API: one ``/generate`` per request, many in flight.
 
-Used on GPU nodes, where SGLang's paged attention and CUDA graphs beat our embedded loop. The
-contract we rely on, and which ``tests/unit/test_sglang_engine_contract.py`` pins down:
+Used on GPU nodes, where SGLang's paged attention, continuous batching and CUDA graphs beat our embedded
+loop; the server does the batching, so this client only keeps requests in flight. Generation is async
+(``httpx.AsyncClient``, opened by :meth:`SglangEngine.start`); the weight endpoints are blocking calls on
+a separate sync client, because they are made from the staging loader thread and from start-up code.
 
-* ``POST /generate`` with ``input_ids`` (a batch), ``sampling_params`` and ``return_logprob``; each
-  result carries ``output_ids`` and ``meta_info.output_token_logprobs`` (``[[logprob, id, text], ...]``),
-  ``meta_info.finish_reason`` (a dict with ``type`` or a string) and ``meta_info.weight_version``.
-  The logprobs are of the temperature-scaled distribution as long as the server runs with
-  ``SGLANG_RETURN_ORIGINAL_LOGPROB`` unset, which is what our importance ratios assume.
-* ``POST /update_weights_from_disk`` with ``model_path`` and ``weight_version``: the server reloads
-  a checkpoint directory. This engine writes nothing itself: the caller saves the new weights as
-  safetensors (plus config) to a path the *server* can read, then calls :meth:`SglangEngine.load_weights`
-  with ``model_path``.
+The contract we rely on, pinned down by ``tests/unit/test_sglang_engine_contract.py``:
+
+* ``POST /generate`` with one prompt's ``input_ids`` (a flat list), ``sampling_params`` and
+  ``return_logprob: true`` answers one result: ``output_ids``, ``meta_info.output_token_logprobs``
+  (``[[logprob, id, text], ...]``), ``meta_info.finish_reason`` (a dict with ``type``, or a string) and
+  ``meta_info.weight_version``. The logprobs are of the temperature-scaled distribution as long as the
+  server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB`` unset, which is what our importance ratios assume.
+  Cancelling the awaiting task closes the connection, on which SGLang aborts the request.
+* ``POST /update_weights_from_disk`` with ``model_path`` and ``weight_version``: the server reloads a
+  checkpoint directory the caller wrote (:mod:`miles.engines.sglang_staging` does that).
 * ``GET /get_weight_version`` (newer servers: ``GET /model_info``) for the server's version.
+
+Context: :attr:`SglangEngine.max_context` comes from the config or the checkpoint; ``max_new_tokens`` is
+clamped so prompt + output fits (a prompt that fills it returns at once with ``finish_reason="context"``),
+because SGLang refuses a request whose budget overflows its context instead of truncating it.
 
 LoRA mode (a frozen base plus adapters trained with peft; only the adapter travels):
 
@@ -34,26 +41,28 @@ adapters: a request that names ``miles-v7`` is served by adapter 7 or refused, n
 
 from __future__ import annotations
 
-import json
 import threading
-import urllib.error
-import urllib.request
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import structlog
 
 from miles.config import SglangEngineConfig
-from miles.engines.base import Generation, SamplingParams
+from miles.engines.base import EngineError, FinishReason, Generation, SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
 log = structlog.get_logger(__name__)
 
+UNBOUNDED_CONTEXT = 2**31 - 1  # no context limit known: the server refuses what does not fit
+MAX_CONNECTIONS = 512  # requests beyond this wait for a free connection (no timeout on that wait)
 
-class SglangError(RuntimeError):
-    """The server refused a request or answered outside the contract above."""
+
+class SglangError(EngineError):
+    """The server refused a request or answered outside the contract above (one-line message)."""
 
 
 def _parse_version(value: Any, default: int) -> int:
@@ -64,7 +73,7 @@ def _parse_version(value: Any, default: int) -> int:
         return default
 
 
-def _finish_reason(raw: Any) -> str:
+def _finish_reason(raw: Any) -> FinishReason:
     """Map SGLang's finish reason (``{"type": "stop", ...}``, ``"length"``, ...) to ``stop``/``length``."""
     kind = raw.get("type") if isinstance(raw, dict) else raw
     if kind == "length":
@@ -83,6 +92,10 @@ def _reply_message(reply: Any) -> str:
     return repr(reply)
 
 
+def _one_line(text: str, limit: int = 300) -> str:
+    return " ".join(text.split())[:limit]
+
+
 class SglangEngine:
     """:class:`~miles.engines.base.Engine` over a running SGLang server at ``cfg.url``.
 
@@ -90,25 +103,52 @@ class SglangEngine:
     call on, every :meth:`generate` request names the current adapter. ``adapter_prefix`` starts the
     adapter names this engine gives the server; engines sharing one server, or a server that outlives a
     training run, need distinct prefixes (e.g. include the run id), or a name could mean another adapter.
-    :meth:`generate` may run in one thread while :meth:`load_adapter` runs in another.
+    The blocking weight calls may run in any thread while requests are in flight.
+
+    A server that cannot be reached makes the engine fail (:attr:`error`; every later request raises
+    :class:`~miles.engines.base.EngineError`); a refused request raises :class:`SglangError` for that
+    request only.
     """
 
-    def __init__(self, cfg: SglangEngineConfig, version: int = 0, *, adapter_prefix: str = "miles") -> None:
+    def __init__(
+        self,
+        cfg: SglangEngineConfig,
+        version: int = 0,
+        *,
+        adapter_prefix: str = "miles",
+        max_context: int | None = None,
+    ) -> None:
         if not adapter_prefix:
             raise ValueError("adapter_prefix must be a non-empty string")
         self.cfg = cfg
         self.base_url = cfg.url.rstrip("/")
         self.adapter_prefix = adapter_prefix
+        self._max_context = int(max_context) if max_context else UNBOUNDED_CONTEXT
         self._version = int(version)
-        self._state_lock = threading.Lock()  # guards _version, _adapter, _loaded; held only briefly
+        self._state_lock = threading.Lock()  # guards _version, _adapter, _loaded, _control; held only briefly
         self._load_lock = threading.Lock()  # one load_adapter at a time (held across its HTTP calls)
         self._adapter: tuple[str, int] | None = None  # (name, version) that new requests use
         self._loaded: dict[str, str] = {}  # name -> path of adapters loaded and not unloaded, oldest first
+        self._client: httpx.AsyncClient | None = None  # generation, opened by start()
+        self._control: httpx.Client | None = None  # weight endpoints, opened on first use
+        self._error: EngineError | None = None
+
+    # ------------------------------------------------------------------ state
 
     @property
     def version(self) -> int:
         """Version of the last weights or adapter this engine loaded (or was constructed with)."""
         return self._version
+
+    @property
+    def max_context(self) -> int:
+        """Most tokens (prompt + output) per request (unbounded if neither config nor checkpoint says)."""
+        return self._max_context
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine stopped working (the server could not be reached), or None."""
+        return self._error
 
     @property
     def current_adapter(self) -> str | None:
@@ -120,38 +160,63 @@ class SglangEngine:
         """The server-side name of adapter ``version``."""
         return f"{self.adapter_prefix}-v{int(version)}"
 
-    # ------------------------------------------------------------------ HTTP
+    # ------------------------------------------------------------------ lifecycle
 
-    def _request(self, method: str, path: str, payload: Any | None = None) -> Any:
-        data = None if payload is None else json.dumps(payload).encode()
-        req = urllib.request.Request(
-            self.base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+    async def start(self) -> None:
+        """Open the generation client (bound to the running event loop)."""
+        if self._client is not None:
+            raise EngineError("SglangEngine is already started")
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(self.cfg.timeout_s, pool=None),
+            limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=64),
         )
-        try:
-            with urllib.request.urlopen(req, timeout=self.cfg.timeout_s) as resp:
-                body = resp.read()
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[:500]
-            raise SglangError(f"{method} {path} -> HTTP {exc.code}: {detail}") from None
-        except urllib.error.URLError as exc:
-            raise SglangError(f"{method} {path}: cannot reach SGLang at {self.base_url} ({exc.reason})") from None
-        try:
-            return json.loads(body) if body else None
-        except json.JSONDecodeError:
-            raise SglangError(f"{method} {path}: response is not JSON: {body[:200]!r}") from None
 
-    # ------------------------------------------------------------------ Engine
+    async def close(self) -> None:
+        """Close both clients; the engine may be started again."""
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+        with self._state_lock:
+            control, self._control = self._control, None
+        if control is not None:
+            control.close()
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """One batched ``/generate`` call; output ids include a matched stop token, as SGLang returns them."""
-        if not prompts:
-            return []
+    async def __aenter__(self) -> SglangEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @asynccontextmanager
+    async def pinned(self) -> AsyncIterator[int]:
+        """The version requests run at. This engine loads nothing by itself; :class:`SglangStagingEngine`
+        holds its background loads back while pinned."""
+        yield self._version
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        """One ``/generate`` call; output ids include a matched stop token, as SGLang returns them."""
+        if len(prompt_ids) == 0:
+            raise ValueError("every prompt needs at least one token (encode_prompt adds BOS)")
+        if params.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {params.max_new_tokens}")
+        if self._error is not None:
+            raise EngineError(str(self._error)) from self._error
+        client = self._client
+        if client is None:
+            raise EngineError("SglangEngine is not started: use `async with engine:` or `await engine.start()`")
         with self._state_lock:  # one adapter for the whole request, even if load_adapter runs meanwhile
             adapter = self._adapter
+        budget = min(params.max_new_tokens, self._max_context - len(prompt_ids))
+        if budget <= 0:
+            return Generation(list(prompt_ids), [], [], "context", adapter[1] if adapter else self._version)
         payload: dict[str, Any] = {
-            "input_ids": [list(p) for p in prompts],
+            "input_ids": list(prompt_ids),
             "sampling_params": {
-                "max_new_tokens": params.max_new_tokens,
+                "max_new_tokens": budget,
                 "temperature": params.temperature,
                 "top_p": params.top_p,
                 "stop_token_ids": list(params.stop_token_ids),
@@ -160,16 +225,30 @@ class SglangEngine:
         }
         if adapter is not None:
             payload["lora_path"] = adapter[0]
-        results = self._request("POST", "/generate", payload)
-        if isinstance(results, dict):  # a single-prompt server reply
-            results = [results]
-        if not isinstance(results, list) or len(results) != len(prompts):
-            got = len(results) if isinstance(results, list) else type(results).__name__
-            raise SglangError(f"/generate returned {got} results for {len(prompts)} prompts")
-        adapter_version = None if adapter is None else adapter[1]
-        return [self._parse(prompt, item, adapter_version) for prompt, item in zip(prompts, results, strict=True)]
+        reply = await self._post_generate(client, payload)
+        if isinstance(reply, list) and len(reply) == 1:  # a server that answers every request as a batch
+            reply = reply[0]
+        if not isinstance(reply, dict):
+            raise SglangError(f"/generate returned {type(reply).__name__}, expected one result object")
+        gen = self._parse(list(prompt_ids), reply, None if adapter is None else adapter[1])
+        if gen.finish_reason == "length" and budget < params.max_new_tokens:
+            gen.finish_reason = "context"  # the budget was the context's, not max_new_tokens
+        return gen
 
-    def _parse(self, prompt: list[int], item: Mapping[str, Any], adapter_version: int | None = None) -> Generation:
+    async def _post_generate(self, client: httpx.AsyncClient, payload: dict[str, Any]) -> Any:
+        try:
+            response = await client.post("/generate", json=payload)
+        except httpx.ConnectError as exc:
+            if self._error is None:  # the first request to find the server gone says so; the rest only fail
+                reason = _one_line(str(exc)) or "connect failed"
+                self._error = EngineError(f"cannot reach SGLang at {self.base_url}: {reason}")
+                log.error("sglang_unreachable", url=self.base_url, error=str(self._error))
+            raise EngineError(str(self._error)) from None
+        except httpx.HTTPError as exc:
+            raise SglangError(f"POST /generate: {type(exc).__name__}: {_one_line(str(exc))}") from None
+        return self._json("POST", "/generate", response)
+
+    def _parse(self, prompt: list[int], item: Mapping[str, Any], adapter_version: int | None) -> Generation:
         meta = item.get("meta_info") or {}
         token_lps = meta.get("output_token_logprobs")
         if token_lps is None:
@@ -180,7 +259,7 @@ class SglangEngine:
         if len(output_ids) != len(token_lps):
             raise SglangError(f"/generate result has {len(output_ids)} output ids but {len(token_lps)} logprobs")
         return Generation(
-            prompt_ids=list(prompt),
+            prompt_ids=prompt,
             output_ids=[int(t) for t in output_ids],
             logprobs=[float(entry[0]) for entry in token_lps],
             finish_reason=_finish_reason(meta.get("finish_reason")),
@@ -191,10 +270,36 @@ class SglangEngine:
             ),
         )
 
+    # ------------------------------------------------------------------ blocking control calls
+
+    def _json(self, method: str, path: str, response: httpx.Response) -> Any:
+        if response.status_code >= 400:
+            raise SglangError(f"{method} {path} -> HTTP {response.status_code}: {_one_line(response.text)}")
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            raise SglangError(f"{method} {path}: response is not JSON: {_one_line(response.text, 200)!r}") from None
+
+    def _request(self, method: str, path: str, payload: Any | None = None) -> Any:
+        """A blocking call to a weight or info endpoint (any thread)."""
+        with self._state_lock:
+            if self._control is None:
+                self._control = httpx.Client(base_url=self.base_url, timeout=self.cfg.timeout_s)
+            control = self._control
+        try:
+            response = control.request(method, path, json=payload)
+        except httpx.ConnectError:
+            raise SglangError(f"{method} {path}: cannot reach SGLang at {self.base_url}") from None
+        except httpx.HTTPError as exc:
+            raise SglangError(f"{method} {path}: {type(exc).__name__}: {_one_line(str(exc))}") from None
+        return self._json(method, path, response)
+
     def load_weights(
         self, state: Mapping[str, torch.Tensor] | None, version: int, model_path: str | None = None
     ) -> None:
-        """Make the server reload weights from ``model_path`` and tag them ``version``.
+        """Make the server reload weights from ``model_path`` and tag them ``version`` (blocking).
 
         ``state`` is ignored: weights travel through storage the server can read, which the caller
         must have written (``save_pretrained``/safetensors) before calling this.
@@ -212,8 +317,6 @@ class SglangEngine:
             raise SglangError(f"/update_weights_from_disk {model_path!r} failed: {message}")
         self._version = int(version)
 
-    # ------------------------------------------------------------------ LoRA
-
     def load_adapter(self, adapter_path: str, version: int) -> str:
         """Load the peft adapter directory ``adapter_path`` (readable by the server) as adapter ``version``.
 
@@ -221,7 +324,7 @@ class SglangEngine:
         :meth:`generate` request uses and ``version`` is this engine's :attr:`version`. Then adapters
         beyond the ``cfg.keep_adapters`` most recently loaded are unloaded (a failed unload is logged and
         forgotten). Requests already sent keep the adapter they named; SGLang finishes them before
-        unloading it. Returns the adapter's name.
+        unloading it. Returns the adapter's name. Blocking.
 
         A refused load raises :class:`SglangError` naming the adapter and the server's message, and
         leaves the current adapter as it was. Loading a version again from the same path only makes it

@@ -28,18 +28,26 @@ Two modes:
 
 ``weights_dir`` must be readable by the server at the same path (a local or shared filesystem) and
 should be per run. The 3 newest version directories are kept (and the adopted one); older ones are deleted
-once the server has loaded from a newer one. A failed write or load is logged and kept in
-:attr:`SglangStagingEngine.last_error`; the version is not adopted, and the next :meth:`stage_weights`
-(of that version again, or a newer one) tries again.
+once the server has loaded from a newer one.
+
+Failures are not fatal but never silent: a failed write or load is logged (``sglang_weights_load_failed``),
+counted in :attr:`SglangStagingEngine.failures` and kept in :attr:`SglangStagingEngine.last_error` until a
+load succeeds; :meth:`SglangStagingEngine.heartbeat_stats` puts both into the worker's heartbeat. The version
+is not adopted, and the next :meth:`stage_weights` (of that version again, or a newer one) tries again.
+
+While :meth:`SglangStagingEngine.pinned`, the loader holds staged versions back (an evaluation runs at one
+version); a load already under way is waited for.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,10 +75,11 @@ class SglangStagingEngine:
 
     :meth:`stage_weights` never blocks on HTTP or disk (thread-safe; meant for the event-loop thread). A
     single daemon thread writes the newest staged version and loads it; :attr:`version` is the version the
-    server adopted last, :attr:`pending_version` the one staged or being loaded. :meth:`apply_pending` only
-    reports (True once per adoption): the switch happens in the server as soon as its load call returns.
-    ``switches`` counts adoptions and ``last_pause_s`` is the duration of the latest load call, during
-    which the server pauses (full mode: flushes its cache and reloads; LoRA mode: loads the adapter).
+    server adopted last, :attr:`pending_version` the one staged or being loaded. The switch happens in the
+    server as soon as its load call returns, so there is nothing to apply. ``switches`` counts adoptions and
+    ``last_pause_s`` is the duration of the latest load call, during which the server pauses (full mode:
+    flushes its cache and reloads; LoRA mode: loads the adapter). Generation, lifecycle and ``error`` are the
+    wrapped engine's.
     """
 
     def __init__(
@@ -91,13 +100,13 @@ class SglangStagingEngine:
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None  # newest version waiting for the thread
         self._loading: int | None = None  # version the thread is writing/loading
         self._worker: threading.Thread | None = None
-        self._adopted = False  # a version was adopted since the last apply_pending
+        self._pins = 0  # pinned() blocks in force: staged versions wait
         self.switches = 0
         self.last_pause_s = 0.0
         self.pauses_s: list[float] = []  # one per adopted version (bounded: the most recent 1000)
         self.last_write_s = 0.0  # time writing the latest version to disk
         self.last_error: Exception | None = None  # the latest failed write/load; None once one succeeds
-        self.failures = 0
+        self.failures = 0  # failed writes/loads since start (never reset)
 
     # ------------------------------------------------------------------ Engine
 
@@ -107,6 +116,15 @@ class SglangStagingEngine:
         return self.engine.version
 
     @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    @property
+    def error(self) -> BaseException | None:
+        """The wrapped engine's failure (server unreachable). A failed *load* is not one: see ``last_error``."""
+        return self.engine.error
+
+    @property
     def pending_version(self) -> int | None:
         """Version staged or being loaded, not yet adopted; None if none."""
         with self._cond:
@@ -114,9 +132,57 @@ class SglangStagingEngine:
                 return self._staged[0]
             return self._loading
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def heartbeat_stats(self) -> dict[str, float]:
+        """Load health for the worker's heartbeat: failures so far, whether the latest load failed, last write time."""
+        with self._cond:
+            return {
+                "weight_load_failures": float(self.failures),
+                "weight_load_failing": float(self.last_error is not None),
+                "last_write_ms": self.last_write_s * 1e3,
+            }
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def close(self) -> None:
+        """Drop what is staged, wait for a load under way (at most ``cfg.timeout_s``), close the engine."""
+        with self._cond:
+            self._staged = None
+            self._cond.notify_all()
+        if not await asyncio.to_thread(self.wait_idle, self.engine.cfg.timeout_s):
+            log.warning("sglang_staging_close_timeout", loading=self._loading, timeout_s=self.engine.cfg.timeout_s)
+        await self.engine.close()
+
+    async def __aenter__(self) -> SglangStagingEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         """Delegates to the SglangEngine (in LoRA mode its requests name the newest loaded adapter)."""
-        return self.engine.generate(prompts, params)
+        return await self.engine.generate(prompt_ids, params)
+
+    @asynccontextmanager
+    async def pinned(self) -> AsyncIterator[int]:
+        """``async with engine.pinned() as version:`` no staged version is loaded until the block ends; a load
+        already under way is waited for first, so ``version`` is what the server runs meanwhile."""
+        with self._cond:
+            self._pins += 1
+            loading = self._loading is not None
+        try:
+            if loading:
+                await asyncio.to_thread(self._wait_loaded)
+            yield self.engine.version
+        finally:
+            with self._cond:
+                self._pins -= 1
+                self._cond.notify_all()
+
+    def _wait_loaded(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._loading is None)
 
     def load_weights(
         self, state: Mapping[str, torch.Tensor] | None, version: int, model_path: str | None = None
@@ -177,12 +243,6 @@ class SglangStagingEngine:
             -1 if self._loading is None else self._loading,
         )
 
-    def apply_pending(self) -> bool:
-        """True if a version was adopted since the last call (never blocks: the loader switches the server)."""
-        with self._cond:
-            adopted, self._adopted = self._adopted, False
-        return adopted
-
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Block until nothing is staged or loading; False on timeout. (Tests, shutdown: not the event loop.)"""
         with self._cond:
@@ -191,8 +251,14 @@ class SglangStagingEngine:
     # ------------------------------------------------------------------ the loader thread
 
     def _run(self) -> None:
+        """Load the newest staged version, then whatever was staged meanwhile; exit when nothing is left.
+
+        A failed load is recorded (``failures``, ``last_error``, an error log) and the thread goes on: the
+        server keeps the version it had, and a later stage retries. That is the failure policy, not a default.
+        """
         while True:
             with self._cond:
+                self._cond.wait_for(lambda: self._pins == 0 or self._staged is None)  # pinned: hold loads back
                 staged, self._staged = self._staged, None
                 if staged is None:
                     self._worker = None
@@ -204,7 +270,7 @@ class SglangStagingEngine:
                 self._loading = version
             try:
                 self._load(version, tensors)
-            except Exception as exc:  # any failure: record it, keep the old version, go on
+            except Exception as exc:
                 with self._cond:
                     self.failures += 1
                     self.last_error = exc
@@ -239,7 +305,6 @@ class SglangStagingEngine:
             self.pauses_s = [*self.pauses_s[-999:], pause]
             self.switches += 1
             self.last_error = None
-            self._adopted = True
         log.info(
             "weights_applied",
             version=version,

@@ -1,68 +1,55 @@
-"""Embedded generation engine: our own batched KV-cache sampling loop over an HF causal LM.
+"""Embedded generation engine: continuous batching over an HF causal LM, in a dedicated loop thread.
 
-Why not ``model.generate``: we need the exact behaviour log-prob of every sampled token and
-control at every token boundary (new weights switch in between two decode steps), both of which
-are awkward through the generic generation API. The loop is short: one prefill of the left-padded
-batch, then one single-token forward per step with the cache.
+Why our own loop rather than ``model.generate``: we need the exact behaviour log-prob of every sampled
+token, requests that join and leave a running batch, and control at every token boundary (new weights
+switch in between two decode steps). The loop itself is :class:`~miles.engines.torch_loop.SamplingLoop`;
+this module owns the thread around it and the weights.
 
-In-flight weight updates. :meth:`TorchEngine.stage_weights` puts a validated weight set in a
-pending slot (newest version wins, never backwards); the sampling loop takes it at the next token
-boundary and copies it into the model in place, so a long generation does not hold back a new
-policy. Each :class:`Generation` records ``version_spans``: the output index from which each
-version sampled.
+Threads. ``await engine.generate(...)`` (any event loop) puts a request in an inbox and awaits a future;
+one loop thread runs the sampling loop and resolves each future with ``loop.call_soon_threadsafe`` on
+the caller's loop, so the event loop never blocks on torch. Cancelling the awaiting task flags the
+request and the loop drops it at the next token boundary. A failure of the loop thread is kept in
+:attr:`TorchEngine.error`, logged once, and fails every pending and later request with
+:class:`~miles.engines.base.EngineError`.
 
-KV-cache policy: **keep**. After a switch the cache computed by the old weights for the prompt and
-the tokens generated so far is kept; only new tokens are computed with the new weights (as
-PipelineRL and AReaL do). Recomputing the prefix would cost a full prefill of prompt + output per
-switch for the whole batch, stall every row in it, and still would not make the earlier tokens
-on-policy. Keeping it is exact where it matters: every token's behaviour log-prob is the
-log-prob of the distribution it was actually drawn from (new weights over the old cache), which
-is what the trainer's importance ratios correct against, and staleness is bounded by the oldest
-span's version.
+In-flight weight updates. :meth:`TorchEngine.stage_weights` validates and parks weights
+(:mod:`miles.engines.weight_slot`); the loop thread copies them in at the next token boundary, or at once
+when idle, except while :meth:`TorchEngine.pinned`. Each :class:`Generation` records ``version_spans``:
+the output index from which each version sampled.
+
+KV-cache policy after a switch: **keep**. The cache computed by the old weights for the prompt and the
+tokens generated so far stays; only new tokens are computed with the new weights (as PipelineRL and AReaL
+do). Recomputing the prefix would cost a full prefill of prompt + output per switch for every row, and
+still would not make the earlier tokens on-policy. Keeping it is exact where it matters: every token's
+behaviour log-prob is the log-prob of the distribution it was actually drawn from (new weights over the
+old cache), which is what the trainer's importance ratios correct against.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import random
 import threading
-import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from typing import Any
 
 import structlog
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from miles.config import TorchEngineConfig
-from miles.engines.base import Generation, SamplingParams, SparseValues
+from miles.engines.base import EngineError, Generation, SamplingParams, SparseValues
+from miles.engines.kv_cache import batching_plan
+from miles.engines.torch_loop import Request, Row, SamplingLoop
+from miles.engines.weight_slot import WeightSlot, copy_into, validate_state
 from miles.models.loading import to_torch_dtype
 
 log = structlog.get_logger(__name__)
 
-
-def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of ``logits`` (B, V); return the tokens (B,) and their log-probs (B,).
-
-    The log-prob is taken under ``log_softmax(logits / T)`` (``T = 1`` when greedy), before top-p
-    truncation: that is the behaviour distribution importance ratios are computed against.
-    """
-    logits = logits.float()
-    if params.temperature == 0:
-        logp = torch.log_softmax(logits, dim=-1)  # (B, V)
-        tokens = logits.argmax(dim=-1)  # (B,)
-    else:
-        logp = torch.log_softmax(logits / params.temperature, dim=-1)  # (B, V)
-        probs = logp.exp()  # (B, V)
-        if params.top_p < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V)
-            # Keep the smallest prefix whose mass reaches top_p (the top token is always kept).
-            drop = (sorted_p.cumsum(dim=-1) - sorted_p) >= params.top_p  # (B, V)
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
-    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+UNBOUNDED_CONTEXT = 2**31 - 1  # a model whose config names no position limit
 
 
 def _forward_kwargs(model: PreTrainedModel) -> tuple[str, dict[str, Any]]:
@@ -81,30 +68,45 @@ def _forward_kwargs(model: PreTrainedModel) -> tuple[str, dict[str, Any]]:
     return cache_arg, extra
 
 
-def _new_cache(model: PreTrainedModel) -> DynamicCache:
-    """A fresh KV cache; the model updates it in place, so the loop never reads it back from outputs."""
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:  # older transformers: no config argument
-        return DynamicCache()
+def _max_context(model: Any) -> int:
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if value else UNBOUNDED_CONTEXT
+
+
+def _deliver_to(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Generation]) -> Any:
+    """A thread-safe callback that resolves ``future`` on ``loop`` (unless its awaiter is gone)."""
+
+    def resolve(outcome: Generation | BaseException) -> None:
+        if future.done():  # cancelled meanwhile
+            return
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+    def deliver(outcome: Generation | BaseException) -> None:
+        try:
+            loop.call_soon_threadsafe(resolve, outcome)
+        except RuntimeError:  # the caller's event loop is closed: nobody is waiting for this result
+            log.debug("engine_result_dropped", reason="event loop closed")
+
+    return deliver
 
 
 class TorchEngine:
-    """Batched sampling with an in-process HF model, at known weight versions.
+    """:class:`~miles.engines.base.StagingEngine` over an in-process HF model, batching continuously.
 
-    Two ways to change weights:
+    ``async with engine:`` (or :meth:`start` / :meth:`close`) runs the loop thread; many
+    :meth:`generate` calls are in flight at once. Weights change by :meth:`stage_weights` (non-blocking,
+    applied by the loop thread at a token boundary) or :meth:`load_weights` (blocking, immediate; for
+    tests and start-up). ``switches`` counts applied staged versions, ``last_pause_s`` / ``pauses_s`` are
+    their copy times (the generation pause).
 
-    * :meth:`load_weights` copies immediately; it waits for a running generation to finish (one
-      lock serialises generation and copies), so it never lands mid-generation.
-    * :meth:`stage_weights` (thread-safe, non-blocking; meant for the event-loop thread while
-      :meth:`generate` runs in a worker thread) validates the weights and parks them in a pending
-      slot. A running generation applies them at its next token boundary, keeping its KV cache
-      (see the module docstring); otherwise the next :meth:`generate` or :meth:`apply_pending` does.
-
-    ``Generation.weight_version`` is the version of the first generated token (the oldest one) and
-    ``Generation.version_spans`` says which version sampled which tokens. Every applied switch is
-    counted in ``switches`` and its copy time (the generation pause) kept in ``last_pause_s`` and
-    ``pauses_s``.
+    ``seed`` seeds the per-request random streams: request ``i`` (in the order :meth:`generate` is called)
+    samples from its own generator, so its tokens do not depend on what else shares the batch.
     """
 
     def __init__(
@@ -119,21 +121,44 @@ class TorchEngine:
         self.model = model.to(device=self.cfg.device, dtype=to_torch_dtype(self.cfg.dtype)).eval()
         self.device = torch.device(self.cfg.device)
         self.pad_token_id = int(pad_token_id)
+        self._max_context = _max_context(self.model)
+        embeddings = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        self._vocab = int(embeddings.num_embeddings) if embeddings is not None else None
+        plan = batching_plan(self.model)
+        self.continuous = plan.continuous
+        max_batch, max_prefill_tokens = self.cfg.max_batch, self.cfg.max_prefill_tokens
+        cache_arg, forward_extra = _forward_kwargs(self.model)
+        self._loop = SamplingLoop(
+            self.model,
+            self.pad_token_id,
+            max_context=self._max_context,
+            max_batch=max_batch,
+            max_prefill_tokens=max_prefill_tokens,
+            continuous=plan.continuous,
+            device=self.device,
+            cache_arg=cache_arg,
+            forward_extra=forward_extra,
+        )
+        if not plan.continuous:
+            log.warning("engine_batching_fallback", model=type(self.model).__name__, reason=plan.reason)
         self._version = int(version)
-        self._lock = threading.Lock()  # generation and weight copies
-        self._slot_lock = threading.Lock()  # the pending slot below; never held across a copy
-        # Staged updates, applied in order: one complete state, then partial ones (see stage_weights).
-        self._pending: list[tuple[int, Mapping[str, torch.Tensor | SparseValues]]] = []
-        self._applying: int | None = None  # version being copied in (taken from the slot, not yet adopted)
+        self._seeds = random.Random(seed)
+        # _cond guards the inbox, the weight slot, pins, _version writes, _thread/_stopping/_error.
+        self._cond = threading.Condition()
+        # Held by the loop thread for a whole token boundary, and by load_weights: no copy lands mid-forward.
+        self._model_lock = threading.Lock()
+        self._inbox: deque[Request] = deque()
+        self._slot = WeightSlot()
+        self._pins = 0
+        self._loads_waiting = 0  # load_weights calls waiting for the model lock: the loop lets them in first
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._error: EngineError | None = None
         self.switches = 0
         self.last_pause_s = 0.0
         self.pauses_s: list[float] = []  # one per applied switch (bounded: the most recent 1000)
-        self._cache_arg, self._forward_extra = _forward_kwargs(self.model)
-        self._generator = torch.Generator(device=self.device)
-        if seed is None:
-            self._generator.seed()
-        else:
-            self._generator.manual_seed(seed)
+
+    # ------------------------------------------------------------------ state
 
     @property
     def version(self) -> int:
@@ -141,135 +166,217 @@ class TorchEngine:
         return self._version
 
     @property
+    def max_context(self) -> int:
+        """Most tokens (prompt + output) per request: the model's ``max_position_embeddings``."""
+        return self._max_context
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the loop thread died (an :class:`EngineError` whose cause is the original), or None."""
+        return self._error
+
+    @property
     def pending_version(self) -> int | None:
         """Version staged (or being copied in) but not yet adopted; None if none."""
-        with self._slot_lock:
-            if self._pending:
-                return self._pending[-1][0]
-            return self._applying
+        with self._cond:
+            return self._slot.pending_version()
+
+    @property
+    def running_rows(self) -> int:
+        """Requests in the running batch (a gauge for heartbeats; read without a lock)."""
+        return len(self._loop.rows)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting to join the batch."""
+        return len(self._inbox)
+
+    def heartbeat_stats(self) -> dict[str, float]:
+        """Gauges for the worker's heartbeat: rows running, requests queued, applied switches."""
+        rows, queued = float(self.running_rows), float(self.queued)
+        return {"engine_rows": rows, "engine_queued": queued, "switches": float(self.switches)}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Start the loop thread. An engine may be started again after :meth:`close`, not after a failure."""
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            if self._thread is not None:
+                raise EngineError("TorchEngine is already started")
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, name="torch-engine-loop", daemon=True)
+            self._thread.start()
+
+    async def close(self) -> None:
+        """Stop the loop thread; requests still pending fail with :class:`EngineError`."""
+        with self._cond:
+            thread = self._thread
+            self._stopping = True
+            self._cond.notify_all()
+        if thread is not None:
+            await asyncio.to_thread(thread.join)
+        with self._cond:
+            self._thread = None
+
+    async def __aenter__(self) -> TorchEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, switch: bool = True) -> list[Generation]:
-        """One completion per prompt. Output ids include the stop token that ended a row, if any.
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        """Sample one completion; output ids include the stop token that ended it, if any.
 
-        Staged weights are applied first; weights staged while it runs switch in at a token boundary.
+        Raises ``ValueError`` for an invalid request (nothing is queued) and :class:`EngineError` if the
+        engine is not started or has failed. Cancelling the awaiting task removes the request from the batch.
         """
-        if not prompts:
-            return []
-        if any(len(p) == 0 for p in prompts):
+        self._validate_request(prompt_ids, params)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Generation] = loop.create_future()
+        request = Request(list(prompt_ids), params, self._seeds.getrandbits(63), _deliver_to(loop, future))
+        with self._cond:
+            if self._error is not None:
+                raise EngineError(str(self._error)) from self._error.__cause__
+            if self._thread is None or self._stopping:
+                raise EngineError("TorchEngine is not started: use `async with engine:` or `await engine.start()`")
+            self._inbox.append(request)
+            self._cond.notify_all()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            request.cancelled = True
+            raise
+
+    def _validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if len(prompt_ids) == 0:
             raise ValueError("every prompt needs at least one token (encode_prompt adds BOS)")
         if params.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {params.max_new_tokens}")
-        with self._lock, torch.inference_mode():
-            if switch:
-                self._apply_pending_locked(at_token=None)
-            spans = [(0, self._version)]
-            tokens, logprobs, lengths, stopped = self._sample_loop(prompts, params, spans, switch)
-        gens = []
-        for i, prompt in enumerate(prompts):
-            # A span that starts at or after a row's end never sampled any of that row's tokens.
-            row_spans = [spans[0]] + [s for s in spans[1:] if s[0] < lengths[i]]
-            gens.append(
-                Generation(
-                    prompt_ids=list(prompt),
-                    output_ids=tokens[i][: lengths[i]],
-                    logprobs=logprobs[i][: lengths[i]],
-                    finish_reason="stop" if stopped[i] else "length",
-                    weight_version=row_spans[0][1],
-                    version_spans=row_spans,
-                )
-            )
-        return gens
+        if params.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+        if not 0 < params.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+        if self._vocab is not None and not (0 <= min(prompt_ids) and max(prompt_ids) < self._vocab):
+            low, high = min(prompt_ids), max(prompt_ids)
+            raise ValueError(f"prompt token ids must be in [0, {self._vocab}), got {low}..{high}")
 
-    def _sample_loop(
-        self, prompts: list[list[int]], params: SamplingParams, spans: list[tuple[int, int]], switch: bool = True
-    ) -> tuple[list[list[int]], list[list[float]], list[int], list[bool]]:
-        """The batched loop; appends ``(first output index, version)`` to ``spans`` at every switch."""
-        dev = self.device
-        batch, width = len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)  # (B, T)
-        mask = torch.zeros((batch, width), dtype=torch.long)  # (B, T)
-        for i, p in enumerate(prompts):
-            input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p) :] = 1
-        input_ids, mask = input_ids.to(dev), mask.to(dev)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T): each row starts at 0 after its padding
-        stop_ids = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=dev)  # (S,)
+    @asynccontextmanager
+    async def pinned(self) -> AsyncIterator[int]:
+        """``async with engine.pinned() as version:`` staged weights wait until the block ends.
 
-        out_tokens = torch.full((batch, params.max_new_tokens), self.pad_token_id, dtype=torch.long, device=dev)
-        out_logp = torch.zeros((batch, params.max_new_tokens), dtype=torch.float32, device=dev)  # (B, N)
-        lengths = torch.zeros(batch, dtype=torch.long, device=dev)  # (B,)
-        finished = torch.zeros(batch, dtype=torch.bool, device=dev)  # (B,)
+        Waits for a copy already under way, so ``version`` is the version every token sampled inside the
+        block uses. :meth:`load_weights` (immediate by contract) is not held back.
+        """
+        with self._cond:
+            self._pins += 1
+            copying = self._slot.applying is not None
+        try:
+            if copying:
+                await asyncio.to_thread(self._wait_copied)
+            yield self._version
+        finally:
+            with self._cond:
+                self._pins -= 1
+                self._cond.notify_all()
 
-        fwd = {self._cache_arg: _new_cache(self.model), **self._forward_extra}
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, **fwd)
-        next_pos = positions[:, -1:] + 1  # (B, 1)
-        for step in range(params.max_new_tokens):
-            tokens, logp = sample_next(out.logits[:, -1, :], params, self._generator)  # (B,), (B,)
-            tokens = tokens.masked_fill(finished, self.pad_token_id)
-            out_tokens[:, step] = tokens
-            out_logp[:, step] = logp
-            lengths += (~finished).long()
-            finished |= torch.isin(tokens, stop_ids)
-            if step + 1 == params.max_new_tokens or bool(finished.all()):
-                break
-            # Token boundary: newer staged weights switch in here; the KV cache is kept (module docstring).
-            if switch and self._pending and self._apply_pending_locked(at_token=step + 1):
-                spans.append((step + 1, self._version))
-            mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=dev)], dim=1)  # (B, T+step+1)
-            out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=next_pos, **fwd)
-            next_pos = next_pos + 1
-        return out_tokens.tolist(), out_logp.tolist(), lengths.tolist(), finished.tolist()
+    def _wait_copied(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._slot.applying is None)
+
+    # ------------------------------------------------------------------ the loop thread
+
+    def _run(self) -> None:
+        try:
+            while self._wait_for_work():
+                with self._model_lock, torch.inference_mode():
+                    self._boundary()
+        except BaseException as exc:  # the thread's supervisor: record, log once, fail every request
+            self._fail(exc)
+            return
+        self._abort_all(EngineError("TorchEngine closed while the request was pending"))
+
+    def _wait_for_work(self) -> bool:
+        """Block while idle (no request, no row, no staged weights it may apply) or while a ``load_weights``
+        waits for the model lock (a lock is not fair: the loop would take it again first); False once stopping."""
+        with self._cond:
+            while not self._stopping and (
+                self._loads_waiting
+                or not (self._inbox or self._loop.batch is not None or (self._slot.has_pending() and not self._pins))
+            ):
+                self._cond.wait()
+            return not self._stopping
+
+    def _boundary(self) -> None:
+        """One token boundary: departures, arrivals, weights, then one token for every row.
+
+        Weights apply *after* admission: whatever was staged before a newcomer was submitted is then in the
+        slot when it is admitted, so its first token is at least that version (the rollout worker's staleness
+        floor: it waits until the version is staged, then submits).
+        """
+        self._deliver(self._loop.retire())
+        with self._cond:
+            fresh = self._loop.admit(self._inbox)
+        self._apply_staged()
+        if fresh:
+            joined = self._loop.prefill(fresh, self._version)
+            if joined is not None:
+                self._loop.merge(joined)
+            self._deliver(self._loop.retire())
+        if self._loop.batch is not None:
+            self._loop.step(self._version)
+            self._deliver(self._loop.retire())
+
+    def _deliver(self, rows: list[Row]) -> None:
+        for row in rows:
+            row.request.deliver(row.generation(self._version))
+
+    def _fail(self, exc: BaseException) -> None:
+        error = EngineError(f"torch engine loop failed: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        with self._cond:
+            self._error = error
+        log.error("engine_loop_failed", error=str(error), exc_info=exc)
+        self._abort_all(error)
+
+    def _abort_all(self, error: EngineError) -> None:
+        """Fail every request still held: queued, running, or finished but not yet delivered."""
+        with self._cond:
+            queued, self._inbox = list(self._inbox), deque()
+        for request in queued + [row.request for row in self._loop.abandon()]:
+            failure = EngineError(str(error))
+            failure.__cause__ = error.__cause__
+            request.deliver(failure)
 
     # ------------------------------------------------------------------ weights
-
-    def _validate(
-        self, state: Mapping[str, torch.Tensor | SparseValues], what: str, *, complete: bool = True
-    ) -> dict[str, torch.Tensor]:
-        """Check ``state`` fits the model (and covers it if ``complete``); return the model's state dict."""
-        targets = self.model.state_dict()
-        for key in state:
-            if key not in targets:
-                raise ValueError(f"{what}: unexpected key {key!r} (not in the model's state dict)")
-        if complete:
-            provided_storages = {targets[k].untyped_storage().data_ptr() for k in state}
-            for key, target in targets.items():
-                if key not in state and target.untyped_storage().data_ptr() not in provided_storages:
-                    raise ValueError(f"{what}: missing key {key!r}")
-        for key, value in state.items():
-            target = targets[key]
-            if isinstance(value, SparseValues):
-                index, values = value.index, value.values
-                if index.dim() != 1 or values.dim() != 1 or index.numel() != values.numel():
-                    raise ValueError(f"{what}: sparse update of {key!r} needs 1-D index and values of equal length")
-                if index.dtype != torch.int64:
-                    raise ValueError(f"{what}: sparse update of {key!r} has index dtype {index.dtype}, not int64")
-                if index.numel() and not (0 <= int(index.min()) and int(index.max()) < target.numel()):
-                    raise ValueError(f"{what}: sparse update of {key!r} indexes outside its {target.numel()} elements")
-            elif tuple(value.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"{what}: shape mismatch for {key!r}: got {tuple(value.shape)}, model has {tuple(target.shape)}"
-                )
-        return targets
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int, *, complete: bool = True) -> None:
         """Copy a full HF state dict into the model in place (dtype/device converted), adopt ``version``.
 
-        Everything is validated before anything is copied, so a bad payload leaves the old weights
-        intact. Tied parameters (e.g. ``lm_head.weight`` sharing the embedding) may be given once.
-        ``complete=False`` loads only the given tensors (e.g. adapter-merged modules on a fixed base).
-        Immediate and unconditional (any version, even an older one); waits for a running generation.
-        A staged version not newer than ``version`` is dropped.
+        Everything is validated before anything is copied, so a bad payload leaves the old weights intact.
+        Tied parameters may be given once. ``complete=False`` loads only the given tensors. Immediate and
+        unconditional (any version, even an older one; not held back by :meth:`pinned`); it waits for the
+        running token step, so rows in flight switch at that boundary (recorded in their spans). A staged
+        version not newer than ``version`` is dropped. Blocking: not for the event-loop thread.
         """
-        targets = self._validate(state, "load_weights", complete=complete)
-        with self._lock, torch.no_grad():
-            for key, tensor in state.items():
-                targets[key].copy_(tensor)
-            self._version = int(version)
-            with self._slot_lock:
-                if self._pending and self._pending[-1][0] <= self._version:
-                    self._pending = []
+        targets = self.model.state_dict()
+        validate_state(targets, state, "load_weights", complete=complete)
+        with self._cond:
+            self._loads_waiting += 1
+        try:
+            with self._model_lock:
+                copy_into(targets, [state])
+                with self._cond:
+                    self._version = int(version)
+                    self._slot.drop_superseded(self._version)
+        finally:
+            with self._cond:
+                self._loads_waiting -= 1
+                self._cond.notify_all()
 
     def stage_weights(
         self,
@@ -279,85 +386,51 @@ class TorchEngine:
         base_version: int | None = None,
         complete: bool = True,
     ) -> bool:
-        """Park weights to be applied at the next token boundary (or next generate/apply_pending).
+        """Park weights for the loop thread (next token boundary, or at once when idle and not pinned).
 
-        Thread-safe and non-blocking (the copy happens later, in the thread that applies it). Keys and
-        shapes are validated now (``ValueError``, nothing staged). Newest version wins: a version not
-        newer than the one in use, being applied or already staged is ignored (returns False), so a
-        worker several versions behind jumps to the newest and never goes back. The caller must not
-        mutate ``state`` afterwards.
-
-        ``complete=False`` stages a partial update: only the given tensors change, and a value may be
-        :class:`SparseValues` (new values at flat positions). Partial updates queue behind what is
-        already staged and are applied in order. With ``base_version`` the update is relative to that
-        version (a delta): it is refused (False) unless the engine will be exactly there when it
-        applies, so a delta is never applied on top of the wrong weights. Without it, the tensors it
-        names are absolute (e.g. adapter-merged weights on a fixed base).
+        Thread-safe and non-blocking. Keys, shapes and sparse indices are validated now (``ValueError``,
+        nothing staged). Newest wins: a version not newer than the one in use, being applied or staged is
+        refused (False). ``complete=False`` stages a partial update (tensors, or :class:`SparseValues`
+        relative to ``base_version``, refused unless the engine will be exactly at that version). The caller
+        must not mutate ``state`` afterwards.
         """
         if not complete and base_version is None and any(isinstance(v, SparseValues) for v in state.values()):
             raise ValueError("stage_weights: sparse values are relative, so they need base_version")
-        self._validate(state, "stage_weights", complete=complete)
-        version = int(version)
-        with self._slot_lock:
-            newest = self._newest_locked()
-            if version <= newest:
-                return False
-            if complete:
-                self._pending = [(version, state)]
-            elif base_version is not None and int(base_version) != newest:
-                return False
-            else:
-                self._pending.append((version, state))
-        return True
+        validate_state(self.model.state_dict(), state, "stage_weights", complete=complete)
+        with self._cond:
+            accepted = self._slot.offer(
+                state, int(version), current=self._version, base_version=base_version, complete=complete
+            )
+            if accepted:
+                self._cond.notify_all()
+        return accepted
 
-    def _newest_locked(self) -> int:
-        """Version the engine will be at once everything staged is applied (caller holds ``_slot_lock``)."""
-        return max(
-            self._version,
-            self._pending[-1][0] if self._pending else -1,
-            self._applying if self._applying is not None else -1,
-        )
-
-    def apply_pending(self) -> bool:
-        """Apply staged weights now if the engine is idle; True if it switched.
-
-        Never blocks on a running generation (that one applies them at its next token boundary).
-        """
-        if not self._lock.acquire(blocking=False):
-            return False
+    def _apply_staged(self) -> None:
+        """Copy staged weights in at this boundary (loop thread, model lock held), unless pinned."""
+        with self._cond:
+            if self._pins or not self._slot.has_pending():
+                return
+            taken = self._slot.take(self._version)
+        if taken is None:
+            return
         try:
-            with torch.no_grad():
-                return self._apply_pending_locked(at_token=None)
-        finally:
-            self._lock.release()
-
-    def _apply_pending_locked(self, at_token: int | None) -> bool:
-        """Copy the staged updates in, in order (caller holds ``_lock``); True if the version changed."""
-        with self._slot_lock:
-            staged, self._pending = self._pending, []
-            if not staged or staged[-1][0] <= self._version:
-                return False
-            version = staged[-1][0]
-            self._applying = version
-        try:
-            start = time.perf_counter()
-            targets = self.model.state_dict()
-            for _, state in staged:
-                for key, value in state.items():
-                    target = targets[key]
-                    if isinstance(value, SparseValues):
-                        target.view(-1).index_copy_(0, value.index, value.values.to(target.dtype))
-                    else:
-                        target.copy_(value)
-            pause = time.perf_counter() - start
-            self._version = version
-        finally:
-            with self._slot_lock:
-                self._applying = None
+            pause = copy_into(self.model.state_dict(), taken.states)
+        except BaseException:
+            with self._cond:
+                self._slot.applying = None
+                self._cond.notify_all()
+            raise
+        with self._cond:  # adopt and clear together: pending_version never reads None before version moves
+            self._version = taken.version
+            self._slot.applying = None
+            self._cond.notify_all()
         self.switches += 1
         self.last_pause_s = pause
         self.pauses_s = [*self.pauses_s[-999:], pause]
         log.info(
-            "weights_applied", version=version, pause_ms=round(pause * 1e3, 2), at_token=at_token, updates=len(staged)
+            "weights_applied",
+            version=taken.version,
+            pause_ms=round(pause * 1e3, 2),
+            rows=len(self._loop.rows),
+            updates=len(taken.states),
         )
-        return True

@@ -10,7 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, Tag, field_validator
 
-from miles.config import Strict, _variant
+from miles.config_base import Strict
+from miles.config_base import variant as _variant
 from miles.sandbox.base import SandboxLimits
 from miles.sandbox.paths import RESERVED
 

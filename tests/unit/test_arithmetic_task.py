@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from miles.tasks.evaluate import evaluate
 from transformers import PreTrainedTokenizerFast
 
 from miles.config import ArithmeticTaskConfig
@@ -10,7 +11,6 @@ from miles.engines.base import Generation, SamplingParams
 from miles.models.tiny import build_char_tokenizer
 from miles.tasks.arithmetic import ArithmeticTask
 from miles.tasks.base import Sample, first_answer
-from miles.tasks.evaluate import evaluate
 from miles.tasks.registry import build_task
 
 

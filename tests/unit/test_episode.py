@@ -73,14 +73,18 @@ class ScriptedEnv:
 
 def _engine(tokenizer: Any, seed: int = 0) -> Any:
     from miles.engines.torch_engine import TorchEngine
-    from miles.engines._compat import AsyncBatchAdapter
 
     cfg = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, seed=seed)
     torch.manual_seed(seed)
     model = tiny.build_tiny_model(cfg, tiny.build_char_tokenizer())
     if len(tokenizer) != model.config.vocab_size:
         model.resize_token_embeddings(len(tokenizer))
-    return AsyncBatchAdapter(TorchEngine(model, tokenizer.pad_token_id, version=3, seed=seed))
+    return TorchEngine(model, tokenizer.pad_token_id, version=3, seed=seed)
+
+
+async def play(engine: Any, *args: Any, **kw: Any) -> Any:
+    async with engine.engine if isinstance(engine, Recording) else engine:
+        return await run_episode(engine, *args, **kw)
 
 
 PARAMS = SamplingParams(max_new_tokens=6, temperature=1.0)
@@ -92,7 +96,7 @@ async def test_multi_turn_episode_is_token_exact(kind: str) -> None:
     engine = Recording(_engine(tok))
     env = ScriptedEnv(turns=4)
     params = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=[tok.eos_token_id])
-    ep = await run_episode(engine, Renderer(tok, "chat"), env, params, EpisodeLimits(max_turns=8), sample_id="s")
+    ep = await play(engine, Renderer(tok, "chat"), env, params, EpisodeLimits(max_turns=8), sample_id="s")
     assert ep.end_reason == "done" and ep.status == "ok" and ep.reward == 1.0 and env.closed
     model_turns = [t for t in ep.turns if t[2] == "model"]
     assert len(model_turns) == 4 == len(engine.generations)
@@ -123,7 +127,7 @@ async def test_single_turn_scored_on_the_text() -> None:
         return 0.5
 
     env = SingleTurnEnv(EpisodeSpec("s1", "3+4=", "7", {"difficulty": 2}), reward)
-    ep = await run_episode(_engine(tok), Renderer(tok, "raw"), env, PARAMS, EpisodeLimits())
+    ep = await play(_engine(tok), Renderer(tok, "raw"), env, PARAMS, EpisodeLimits())
     assert ep.reward == 0.5 and ep.end_reason == "done" and len(ep.turns) == 1
     assert ep.prompt_ids == [tok.bos_token_id, *tok.encode("3+4=")]
     assert got[0][1] == {"difficulty": 2}  # the reward sees the sample's fields
@@ -132,7 +136,7 @@ async def test_single_turn_scored_on_the_text() -> None:
 @pytest.mark.parametrize("bad", [float("nan"), None, "x", math.inf])
 async def test_a_bad_reward_fails_the_sample_only(bad: Any) -> None:
     tok = tiny.build_char_tokenizer()
-    ep = await run_episode(_engine(tok), Renderer(tok, "chat"), ScriptedEnv(1, reward=bad), PARAMS, EpisodeLimits())
+    ep = await play(_engine(tok), Renderer(tok, "chat"), ScriptedEnv(1, reward=bad), PARAMS, EpisodeLimits())
     assert ep.status == "reward_failed" and ep.reward is None and "not a finite number" in ep.error
 
 
@@ -142,29 +146,29 @@ async def test_a_raising_reward_fails_the_sample_only() -> None:
     def boom() -> float:
         raise KeyError("difficulty")
 
-    ep = await run_episode(_engine(tok), Renderer(tok, "chat"), ScriptedEnv(1, reward=boom), PARAMS, EpisodeLimits())
+    ep = await play(_engine(tok), Renderer(tok, "chat"), ScriptedEnv(1, reward=boom), PARAMS, EpisodeLimits())
     assert ep.status == "reward_failed" and "KeyError" in ep.error
 
 
 async def test_infrastructure_failure_is_marked_not_scored() -> None:
     tok = tiny.build_char_tokenizer()
     env = ScriptedEnv(1, fail="reset")
-    ep = await run_episode(_engine(tok), Renderer(tok, "chat"), env, PARAMS, EpisodeLimits())
+    ep = await play(_engine(tok), Renderer(tok, "chat"), env, PARAMS, EpisodeLimits())
     assert ep.status == "infra_error" and ep.end_reason == "infra_error" and ep.reward is None and env.closed
 
 
 async def test_limits_end_the_episode_with_their_reason() -> None:
     tok = tiny.build_char_tokenizer()
     renderer = Renderer(tok, "chat")
-    ep = await run_episode(_engine(tok), renderer, ScriptedEnv(10), PARAMS, EpisodeLimits(max_turns=3))
+    ep = await play(_engine(tok), renderer, ScriptedEnv(10), PARAMS, EpisodeLimits(max_turns=3))
     assert ep.end_reason == "max_turns" and ep.stats["turns"] == 3 and ep.status == "ok"
-    ep = await run_episode(_engine(tok), renderer, ScriptedEnv(10), PARAMS, EpisodeLimits(max_turns=10, max_tokens=20))
+    ep = await play(_engine(tok), renderer, ScriptedEnv(10), PARAMS, EpisodeLimits(max_turns=10, max_tokens=20))
     assert ep.end_reason == "context_full" and len(ep.token_ids) <= 20
-    ep = await run_episode(
+    ep = await play(
         _engine(tok), renderer, ScriptedEnv(10, fail="slow"), PARAMS, EpisodeLimits(max_turns=5, timeout_s=0.5)
     )
     assert ep.end_reason == "timeout" and ep.status == "ok"  # still scored by its verifier
-    ep = await run_episode(_engine(tok), renderer, ScriptedEnv(10, fail="step"), PARAMS, EpisodeLimits(max_turns=5))
+    ep = await play(_engine(tok), renderer, ScriptedEnv(10, fail="step"), PARAMS, EpisodeLimits(max_turns=5))
     assert ep.end_reason == "env_error" and "shell died" in ep.error and ep.status == "ok"
 
 

@@ -1,19 +1,16 @@
 """The ``model:`` section for a model family (``type: family``): torch-free, strict, validated against the registry.
 
 ``miles/config.py`` adds :class:`FamilyModelConfig` to its ``ModelConfig`` union. It lives here, not there,
-so that a family's knobs stay next to the family code; it deliberately does not import ``miles.config``
-(which will import this module), hence its own strict base class.
+so that a family's knobs stay next to the family code (on the shared base of :mod:`miles.config_base`).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from miles.config_base import Strict as _Strict
 
 
 class TinyDims(_Strict):

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from miles.config import Strict
+from miles.config_base import Strict
 
 
 class BuiltinTerminalConfig(Strict):

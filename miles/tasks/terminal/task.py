@@ -16,10 +16,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
-from miles.rollout.env import EpisodeSpec
+from miles.rollout.env import ChatMessage, EpisodeSpec
 from miles.sandbox.base import SandboxLimits, SandboxProvider
 from miles.tasks.base import Sample
-from miles.tasks.terminal.builtin import generate
+from miles.tasks.terminal.builtin import demonstrations, generate
 from miles.tasks.terminal.config import BuiltinTerminalConfig, TerminalTaskConfig
 from miles.tasks.terminal.env import TerminalEnv
 from miles.tasks.terminal.harbor import HarborTask, load_tasks
@@ -28,7 +28,11 @@ BUILTIN_STAMP = "miles_builtin.json"
 
 
 class TerminalTasks:
-    """Harbor tasks by split; each sample's id is ``"<split>:<task name>"``."""
+    """Harbor tasks by split; each sample's id is ``"<split>:<task name>"``. Episodes are conversations
+    rendered with the chat template; demonstrations (for the tiny model's warm-up) exist for the built-in
+    family, whose solutions are known."""
+
+    render: Literal["raw", "chat"] = "chat"
 
     def __init__(
         self,
@@ -62,6 +66,15 @@ class TerminalTasks:
             return self._by_id[sample_id]
         except KeyError:
             raise KeyError(f"no terminal task with sample id {sample_id!r}") from None
+
+    def demonstration(self, sample: Sample) -> list[ChatMessage]:
+        """A correct conversation (built-in tasks only: a user's Harbor task has no known transcript)."""
+        return demonstrations(self.task(sample.id), system_prompt=self.system_prompt, role=self.observation_role)
+
+    def check(self) -> None:
+        """One line and :class:`SandboxUnavailable` if no sandbox can start here: agents' commands never run
+        unsandboxed."""
+        self.provider.check()
 
     def environment(self, spec: EpisodeSpec) -> TerminalEnv:
         """A fresh :class:`TerminalEnv` for one episode of ``spec``'s task (an :class:`EnvironmentFactory`)."""
