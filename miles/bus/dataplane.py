@@ -17,6 +17,8 @@ Why this shape:
 * Chunks are close to the server's ``max_payload`` (8 MB by default): fewer, larger messages keep the
   per-message cost of server and client negligible next to the bytes.
 * Put pipelines the chunk publishes (async acks, a bounded window) instead of one round trip each.
+* :meth:`WeightStore.writer` is the same put fed piece by piece, for payloads produced as they are sent
+  (the streamed export, :mod:`miles.sync.stream_export`): identical chunks and manifest, one chunk buffered.
 * Get lands every payload byte straight in one preallocated buffer (see
   :mod:`miles.bus.rawfetch`; nats-py is the fallback) and verifies the xxh3-128 digest of the whole.
   nats-py's object store, the obvious alternative, moved 64 MB in about 10 s here.
@@ -48,7 +50,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from miles.bus.errors import BusError, ChecksumMismatch, PayloadMissing
 from miles.bus.rawfetch import ChunkMissing, ChunkRequest, Endpoint, endpoint_from_client, fetch_chunks
-from miles.sync.checksum import ALGORITHM, digest
+from miles.sync.checksum import ALGORITHM, digest, hasher
 
 log = structlog.get_logger(__name__)
 
@@ -60,7 +62,7 @@ FetchMode = Literal["auto", "raw", "client"]
 Storage = Literal["file", "memory"]
 Kind = Literal["full", "delta"]
 
-__all__ = ["ChecksumMismatch", "PayloadInfo", "PayloadMissing", "WeightStore"]
+__all__ = ["ChecksumMismatch", "PayloadInfo", "PayloadMissing", "PayloadWriter", "WeightStore"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,46 +315,25 @@ class WeightStore:
     async def put(self, version: int, payload: bytes | bytearray | memoryview) -> PayloadInfo:
         """Store ``payload`` as ``version`` (replacing a previous attempt at the same version), then
         purge all but the newest ``keep_versions`` versions. Returns what to announce."""
+        view = _as_bytes_view(payload)
+        async with self.writer(version, view.nbytes) as w:
+            await w.write(view)
+        assert w.info is not None
+        return w.info
+
+    def writer(self, version: int, size: int | None = None) -> PayloadWriter:
+        """A streaming put: ``async with store.writer(version) as w: await w.write(piece)`` ... .
+
+        Stores exactly what :meth:`put` of the concatenated pieces stores (same chunks, manifest and
+        digest), but holds at most one chunk of it: bytes go out as soon as a chunk is full, so a payload
+        can be produced tensor by tensor (:mod:`miles.sync.stream_export`). ``size``, when given, is checked
+        against the bytes written. The manifest (the commit) is published on a clean exit only; after an
+        error the partial version has no manifest, is never read and is purged by the next put of that
+        version or by :meth:`purge`. ``w.info`` is the :class:`PayloadInfo` once the block has exited.
+        """
         if version < 0:
             raise ValueError("version must be >= 0")
-        view = _as_bytes_view(payload)
-        size = view.nbytes
-        started = time.perf_counter()
-        dig = digest(view)
-        await self._purge_subject(self._version_filter(version))
-
-        subject = self.chunk_subject(version)
-        window = max(2, self.window_bytes // self.chunk_bytes)
-        pending: deque[asyncio.Future] = deque()
-        seqs: list[int] = []
-        try:
-            for offset in range(0, size, self.chunk_bytes):
-                pending.append(await self.js.publish_async(subject, view[offset : offset + self.chunk_bytes]))
-                while len(pending) >= window:
-                    seqs.append(await self._ack(pending.popleft()))
-            while pending:
-                seqs.append(await self._ack(pending.popleft()))
-        finally:
-            for fut in pending:
-                fut.cancel()
-
-        manifest = _Manifest(version=version, size=size, chunk_bytes=self.chunk_bytes, digest=dig, seqs=_ranges(seqs))
-        try:
-            await self.js.publish(self.meta_subject(version), manifest.encode(), timeout=self.timeout_s)
-        except (NatsTimeoutError, NoRespondersError) as exc:
-            raise BusError(f"weight manifest of version {version} not acknowledged: {type(exc).__name__}") from None
-        elapsed = time.perf_counter() - started
-        purged = await self.purge()
-        log.info(
-            "weights_put",
-            version=version,
-            size=size,
-            chunks=manifest.chunks,
-            seconds=round(elapsed, 3),
-            mb_per_s=round(size / MiB / elapsed, 1) if elapsed > 0 else None,
-            purged=purged,
-        )
-        return PayloadInfo(version=version, size=size, chunks=manifest.chunks, digest=dig)
+        return PayloadWriter(self, version, size)
 
     async def _ack(self, fut: asyncio.Future) -> int:
         try:
@@ -535,3 +516,108 @@ class WeightStore:
 
     async def _purge_subject(self, subject: str) -> None:
         await self.js.purge_stream(self.stream, subject=subject)
+
+
+class PayloadWriter:
+    """One streaming put (see :meth:`WeightStore.writer`): chunking, pipelined publishes, the manifest.
+
+    Pieces are cut at ``chunk_bytes`` boundaries as they arrive: whole chunks inside a piece are published
+    straight from it (nats-py copies a message into its send buffer, so the caller may reuse the piece once
+    :meth:`write` returns), and only a chunk that straddles two pieces is assembled in one staging buffer.
+    At most ``window_bytes`` of chunks await their acks, as in :meth:`WeightStore.put`.
+    """
+
+    def __init__(self, store: WeightStore, version: int, size: int | None) -> None:
+        self.store = store
+        self.version = version
+        self.expected_size = size
+        self.info: PayloadInfo | None = None
+        self._subject = store.chunk_subject(version)
+        self._chunk = store.chunk_bytes
+        self._window = max(2, store.window_bytes // store.chunk_bytes)
+        self._buf = bytearray(self._chunk)
+        self._fill = 0
+        self._size = 0
+        self._hash = hasher()
+        self._pending: deque[asyncio.Future] = deque()
+        self._seqs: list[int] = []
+        self._started = 0.0
+        self._open = False
+
+    async def __aenter__(self) -> PayloadWriter:
+        self._started = time.perf_counter()
+        await self.store._purge_subject(self.store._version_filter(self.version))
+        self._open = True
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        self._open = False
+        if exc_type is not None:
+            for fut in self._pending:
+                fut.cancel()
+            log.warning("weights_put_aborted", version=self.version, written=self._size, error=repr(exc))
+            return
+        try:
+            await self._finish()
+        finally:
+            for fut in self._pending:
+                fut.cancel()
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append ``data`` to the payload (publishing every chunk it completes)."""
+        if not self._open:
+            raise RuntimeError("PayloadWriter.write outside its async with block")
+        view = _as_bytes_view(data)
+        self._hash.update(view)
+        self._size += view.nbytes
+        if self._fill:
+            take = min(self._chunk - self._fill, view.nbytes)
+            self._buf[self._fill : self._fill + take] = view[:take]
+            self._fill += take
+            view = view[take:]
+            if self._fill < self._chunk:
+                return
+            await self._publish(memoryview(self._buf))
+            self._fill = 0
+        while view.nbytes >= self._chunk:
+            await self._publish(view[: self._chunk])
+            view = view[self._chunk :]
+        if view.nbytes:
+            self._buf[: view.nbytes] = view
+            self._fill = view.nbytes
+
+    async def _publish(self, chunk: memoryview) -> None:
+        self._pending.append(await self.store.js.publish_async(self._subject, chunk))
+        while len(self._pending) >= self._window:
+            self._seqs.append(await self.store._ack(self._pending.popleft()))
+
+    async def _finish(self) -> None:
+        if self._fill:
+            await self._publish(memoryview(self._buf)[: self._fill])
+            self._fill = 0
+        while self._pending:
+            self._seqs.append(await self.store._ack(self._pending.popleft()))
+        if self.expected_size is not None and self._size != self.expected_size:
+            raise BusError(f"weights v{self.version}: wrote {self._size} bytes, expected {self.expected_size}")
+        dig = self._hash.hexdigest()
+        store = self.store
+        manifest = _Manifest(
+            version=self.version, size=self._size, chunk_bytes=self._chunk, digest=dig, seqs=_ranges(self._seqs)
+        )
+        try:
+            await store.js.publish(store.meta_subject(self.version), manifest.encode(), timeout=store.timeout_s)
+        except (NatsTimeoutError, NoRespondersError) as exc:
+            what = type(exc).__name__
+            raise BusError(f"weight manifest of version {self.version} not acknowledged: {what}") from None
+        elapsed = time.perf_counter() - self._started
+        purged = await store.purge()
+        log.info(
+            "weights_put",
+            version=self.version,
+            size=self._size,
+            chunks=manifest.chunks,
+            seconds=round(elapsed, 3),
+            mb_per_s=round(self._size / MiB / elapsed, 1) if elapsed > 0 else None,
+            purged=purged,
+        )
+        self.info = PayloadInfo(version=self.version, size=self._size, chunks=manifest.chunks, digest=dig)

@@ -1,0 +1,1 @@
+"""Trainer-side components that are not a backend: checkpoint management."""
