@@ -28,8 +28,18 @@ from miles.actors.base import Actor, keep_in_progress
 from miles.actors.trainer_ranks import LeaderRanks
 from miles.algo.advantages import ADVANTAGES
 from miles.bus.dataplane import WeightStore
-from miles.bus.schema import GroupsDiscarded, Heartbeat, StepMetrics, TrainerDone, Trajectory, encode
-from miles.sync.publisher import Lineage, WeightPublisher, delta_keep_versions
+from miles.bus.schema import (
+    GroupsDiscarded,
+    Heartbeat,
+    StepMetrics,
+    TrainerDone,
+    Trajectory,
+    WeightsAnnounced,
+    encode,
+)
+from miles.sync.publisher import Lineage, Published, WeightPublisher, announce, delta_keep_versions
+from miles.sync.stream_export import PayloadLayout
+from miles.sync.transport.bus import BusTransport
 from miles.training.batch import build_batch
 from miles.training.lineage import IndexSet, VersionLineage
 from miles.training.recovery import fetch_batch, plan_recovery, read_history
@@ -262,14 +272,41 @@ class TrainerLeader(Actor):
         )
 
     async def _publish(self, *, step: int, consumed: list[int], replayed: bool) -> int:
-        """Export the current weights and publish them as the next version; returns the version."""
+        """Export the current weights and publish them as the next version; returns the version.
+
+        Full sync streams the export into the data plane one parameter at a time (no rank ever holds the whole
+        state); delta sync keeps the previous state to diff against, and LoRA adapters are small, so those two
+        collect the state on rank 0 first.
+        """
         version = self.next_version
-        weights = await self._export()
-        published = await self.publisher.publish(weights, version, Lineage(step, consumed, replayed))
+        lineage = Lineage(step, consumed, replayed)
+        if self.cfg.sync.mode == "full":
+            published = await self._stream(version, lineage)
+        else:
+            published = await self.publisher.publish(await self._export(), version, lineage)
         self.next_version = version + 1
         self.events_seq = max(self.events_seq, published.seq)
         self.lineage.advance(version, step)
         return version
+
+    async def _stream(self, version: int, lineage: Lineage) -> Published:
+        precision = self.cfg.sync.dtype
+        layout = PayloadLayout.plan(self.ranks.worker.backend.export_specs(), precision, version)
+        out = await BusTransport(self.store).publish(
+            layout, lambda: self.ranks.export_stream(False), run=self.ranks.run
+        )
+        announcement = WeightsAnnounced(
+            **out.announcement_fields(),
+            step=lineage.step,
+            consumed=list(lineage.consumed),
+            replayed=lineage.replayed,
+            mode="full",
+            dtype=precision,
+            precision=precision,
+        )
+        published = await announce(self.bus, announcement)
+        self.log.info("weights_published", version=version, step=lineage.step, bytes=out.size, chunks=out.chunks)
+        return published
 
     async def _export(self) -> dict[str, torch.Tensor]:
         """The state to publish: the weights in rollout precision, or in LoRA mode only the adapter. FP8/FP4

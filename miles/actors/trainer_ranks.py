@@ -9,6 +9,7 @@ group (gloo or NCCL), so nothing but rank 0 needs the bus.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
@@ -51,6 +52,13 @@ class LeaderRanks:
         if self.world_size > 1:
             _broadcast((method, args))
         return getattr(self.worker, method)(*args)
+
+    def export_stream(self, adapter_only: bool) -> Iterator[tuple[str, Any]]:
+        """On the torch thread: start a streamed export (the other ranks drain theirs) and return rank 0's
+        ``(name, tensor)`` iterator, consumed one parameter at a time by the payload encoder."""
+        if self.world_size > 1:
+            _broadcast(("drain_export", (adapter_only,)))
+        return self.worker.backend.export_params(adapter_only=adapter_only)
 
     async def call(self, method: str, *args: Any) -> Any:
         """A collective :class:`RankWorker` call with the same arguments on every rank."""

@@ -152,10 +152,15 @@ class TrainBackend(Protocol):
         ...
 
     def export_params(self, *, adapter_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """The policy's full tensors under Hugging Face names, one at a time in a stable order, float32 on
-        CPU, each gathered only when it is yielded (no rank ever holds the whole model). Every rank must
-        iterate to the end (the gathers are collective); ranks other than the exporting one may get empty
-        tensors. ``adapter_only``: only the LoRA adapter, under peft's saved names."""
+        """The policy's full tensors under Hugging Face names, one at a time in byte-wise sorted name order,
+        float32 on CPU, each gathered only when it is yielded (no rank ever holds the whole model). Every rank
+        must iterate to the end (the gathers are collective); ranks other than rank 0 get empty tensors.
+        ``adapter_only``: only the LoRA adapter, under peft's saved names."""
+        ...
+
+    def export_specs(self, *, adapter_only: bool = False) -> list[Any]:
+        """Name, dtype and full shape (:class:`miles.sync.stream_export.TensorSpec`) of every tensor
+        :meth:`export_params` yields, in its order. Local: no collective."""
         ...
 
     def save_checkpoint(self, path: str, *, asynchronous: bool = False) -> Any:

@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 from miles.algo.logprobs import chunked_logprobs
 from miles.backends.base import LossFn, MicroBatch, TokenOutputs
 from miles.config import FsdpBackendConfig, TrainerConfig
-from miles.sync.lora import add_adapters, lora_scale, merge_adapter, split_peft_state
+from miles.sync.lora import add_adapters, lora_scale
 
 log = structlog.get_logger(__name__)
 
@@ -225,43 +225,28 @@ class FsdpBackend:
         return tensor.tolist()
 
     def export_params(self, *, adapter_only: bool = False) -> Iterator[tuple[str, Tensor]]:
-        """The policy's tensors under HF names, float32 on CPU, gathered one parameter at a time. Collective:
-        every rank must iterate to the end; every rank receives the full tensors.
+        """The policy's tensors under HF names, float32 on CPU, gathered one parameter at a time, in sorted
+        name order (:func:`miles.backends.fsdp_export.iter_full_params`). Collective: every rank iterates
+        to the end; only rank 0 receives them (the others get empty tensors).
 
         With LoRA: ``adapter_only`` gives the adapter under peft's saved names (only the trainable parameters
         are gathered, never the frozen base); otherwise each adapted module's weight comes merged,
         ``W0 + scale * B @ A``, so the stream is a plain HF state dict.
         """
-        lm = self.model.lm
-        if adapter_only:
-            if self.lora_scale is None:
-                raise ValueError("adapter_only export needs trainer.lora")
-            for name, param in lm.named_parameters():
-                if param.requires_grad:
-                    adapter, _ = split_peft_state({name: _full(param)})
-                    yield from adapter.items()
-            return
-        state = lm.state_dict()
-        if self.lora_scale is None:
-            for name, value in state.items():
-                yield name, _full(value)
-            return
-        for name, value in state.items():
-            if ".lora_" in name:
-                continue
-            (hf_name,) = split_peft_state({name: value})[1]
-            full = _full(value)
-            if name.endswith(".base_layer.weight"):  # an adapted module: merge its adapter (peft's "default")
-                prefix = name.removesuffix(".base_layer.weight")
-                pair = {
-                    key: _full(state[f"{prefix}.lora_{ab}.default.weight"])
-                    for key, ab in ((f"{prefix}.lora_A.default.weight", "A"), (f"{prefix}.lora_B.default.weight", "B"))
-                }
-                adapter, _ = split_peft_state(pair)
-                full = merge_adapter({hf_name: full}, adapter, self.lora_scale)[hf_name]
-            yield hf_name, full
+        from miles.backends.fsdp_export import iter_full_params
 
-    # ------------------------------------------------------------------ checkpoints
+        if adapter_only and self.lora_scale is None:
+            raise ValueError("adapter_only export needs trainer.lora")
+        scale = None if adapter_only else self.lora_scale
+        return iter_full_params(self.model.lm, adapter_only=adapter_only, lora_scale=scale, dst=0)
+
+    def export_specs(self, *, adapter_only: bool = False) -> list[Any]:
+        """Names, dtypes and shapes of what :meth:`export_params` yields, without any collective (the streamed
+        payload's header is computed from them)."""
+        from miles.backends.fsdp_export import export_specs
+
+        scale = None if adapter_only else self.lora_scale
+        return export_specs(self.model.lm, adapter_only=adapter_only, lora_scale=scale)
 
     def save_checkpoint(self, path: str, *, asynchronous: bool = False) -> Any:
         """This rank's shard of model, optimizer and KL reference under ``path`` (DCP; LoRA: adapters and their
@@ -284,11 +269,6 @@ class FsdpBackend:
         load_sharded(
             self.model, self.optimizer, path, adapter_only=self.lora_scale is not None, reference=self.ref_model
         )
-
-
-def _full(value: Tensor) -> Tensor:
-    """A (possibly sharded) tensor as a full float32 CPU copy (an all-gather for a DTensor: collective)."""
-    return _as_local(value.detach()).to(device="cpu", dtype=torch.float32, copy=True)
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:

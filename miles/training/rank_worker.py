@@ -16,6 +16,7 @@ import torch
 
 from miles.backends.base import TrainBackend, TrainSample
 from miles.config import RunConfig
+from miles.sync.stream_export import drain
 from miles.training.checkpoint import CheckpointManager
 from miles.training.step import RLStep
 
@@ -47,12 +48,18 @@ class RankWorker:
         return self.rl.run(plan[self.backend.dp_rank])
 
     def export(self, adapter_only: bool) -> dict[str, torch.Tensor]:
-        """The policy's tensors in HF names (float32), gathered one at a time; the dict is rank 0's only."""
+        """The policy's tensors in HF names (float32), gathered one at a time, collected into one dict on rank 0
+        (delta and LoRA sync, which need the whole state or are small); full sync streams instead
+        (:meth:`drain_export` and :meth:`LeaderRanks.export_stream`)."""
         out: dict[str, torch.Tensor] = {}
         for name, tensor in self.backend.export_params(adapter_only=adapter_only):
             if self.rank == 0:
                 out[name] = tensor
         return out
+
+    def drain_export(self, adapter_only: bool) -> int:
+        """A rank's part of a streamed export that rank 0 consumes: every gather, nothing kept."""
+        return drain(self.backend.export_params(adapter_only=adapter_only))
 
     def save_checkpoint(self, step: int, extra: dict[str, Any]) -> None:
         self.checkpoints.save(step, self.backend, {**extra, "optimizer_steps": self.rl.steps_done})

@@ -149,7 +149,7 @@ def test_export_params_hf_names_and_values() -> None:
     reference = {k: v.clone() for k, v in model.state_dict().items()}
     backend = FsdpBackend(model, trainer_cfg(), 0, 1)
     exported = weights(backend)
-    assert list(exported) == list(reference)
+    assert list(exported) == sorted(reference)  # streamed in byte-wise name order
     for name, value in reference.items():
         assert torch.equal(exported[name], value), name
     LlamaForCausalLM(model.config).load_state_dict(exported)  # loadable by a plain HF model
@@ -163,7 +163,7 @@ def test_lora_trains_only_the_adapter_and_exports_it_merged_or_alone() -> None:
     assert len(adapter) == 2 * (3 * 2 + 1)  # A and B: three modules in two layers, and lm_head
     assert all(".lora_A.weight" in n or ".lora_B.weight" in n for n in adapter)
     merged = weights(backend)
-    assert list(merged) == list(base)
+    assert list(merged) == sorted(base)
     changed = {n for n in base if not torch.equal(merged[n], base[n])}
     assert changed and all(any(m in n for m in LORA.target_modules) for n in changed)
     model = LlamaForCausalLM(tiny_model().config)
@@ -239,7 +239,7 @@ def test_two_ranks_match_one_rank(two_rank_results: list[dict[str, Any]], algo: 
     expected = weights(single)
     for name, value in expected.items():
         torch.testing.assert_close(rank0["weights"][name], value, rtol=0, atol=1e-5, msg=name)
-        torch.testing.assert_close(rank1["weights"][name], value, rtol=0, atol=1e-5, msg=name)
+        assert rank1["weights"][name].numel() == 0  # rank 0 consumes the export; rank 1 only takes part
     for step in range(STEPS):
         assert rank0["metrics"][step] == rank1["metrics"][step]  # identical on every rank
         for key, value in single_metrics[step].items():
