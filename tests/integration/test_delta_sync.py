@@ -85,7 +85,7 @@ async def test_follower_tracks_every_delta_bit_exactly_and_downloads_little(bus:
     async with running(follower) as stopping:
         await until(lambda: follower._base is not None)  # the v0 anchor is fetched as the base of v1
         for version in range(1, len(states)):
-            ann = await pub.publish(states[version], version)
+            ann = (await pub.publish(states[version], version)).announcement
             assert ann.mode == "delta" and ann.base_version == version - 1 and ann.format == "miles-delta"
             assert ann.size < 0.1 * full_size, (ann.size, full_size)
             assert await asyncio.wait_for(follower.wait_for(version, stopping), 20)
@@ -165,7 +165,7 @@ async def test_corrupt_delta_falls_back_and_never_stages_a_wrong_tensor(bus: Bus
         _assert_engine_holds(engine, states[1])
 
         for version in range(3, 8):  # 3 and 6 are full anchors (anchor_every=3), the others deltas
-            ann = await pub.publish(states[version], version)
+            ann = (await pub.publish(states[version], version)).announcement
             assert ann.mode == ("full" if version % 3 == 0 else "delta")
             assert await asyncio.wait_for(follower.wait_for(version, stopping), 20)
             follower.apply_staged()
@@ -192,7 +192,7 @@ async def test_late_worker_catches_up_from_the_anchor_then_follows_deltas(bus: B
         assert full_size < follower.last_fetch_bytes < 1.3 * full_size  # anchor 4 + deltas 5, 6
         _assert_engine_holds(engine, states[6])
         for version in range(7, 10):
-            ann = await pub.publish(states[version], version)
+            ann = (await pub.publish(states[version], version)).announcement
             assert await asyncio.wait_for(follower.wait_for(version, stopping), 20)
             follower.apply_staged()
             assert follower.last_fetch_bytes == ann.size
@@ -208,10 +208,10 @@ async def test_shape_change_publishes_a_full_anchor(bus: Bus) -> None:
     changed = dict(states[1])
     name = next(iter(changed))
     changed[name] = changed[name].float()  # dtype change: the encoder refuses
-    ann = await pub.publish(changed, 1)
+    ann = (await pub.publish(changed, 1)).announcement
     assert ann.mode == "full" and pub.anchors == 2
     restarted = WeightPublisher(bus, full_store, "bfloat16", mode="delta", delta_store=delta_store)
-    assert (await restarted.publish(states[1], 2)).mode == "full"  # nothing in memory after a restart
+    assert (await restarted.publish(states[1], 2)).announcement.mode == "full"  # nothing in memory after a restart
 
 
 def test_old_announcements_still_decode_and_delta_fields_are_checked() -> None:

@@ -76,7 +76,7 @@ async def test_lora_mode_moves_only_adapter_bytes_and_workers_run_base_plus_adap
             if version:
                 trainer.train_step(_batch(version))
                 adapter = trainer.export_adapter(torch.float32)
-            ann = await publisher.publish(adapter, version)
+            ann = (await publisher.publish(adapter, version)).announcement
             assert ann.mode == "lora" and ann.size == expected_size
             sizes.append(ann.size)
             await until(lambda v=version: follower.held_version >= v)

@@ -61,7 +61,7 @@ async def test_workers_hold_exactly_the_trainers_quantized_weights(bus: Bus, pre
             codes = [n for n, t in published.items() if t.dtype not in (torch.bfloat16, torch.float32)]
             codes = [n for n in codes if not n.endswith(".qscale")]
             assert len(codes) == 2 * 7  # every decoder linear layer, nothing else
-            ann = await publisher.publish(published, version)
+            ann = (await publisher.publish(published, version)).announcement
             assert ann.state_digest == state_digest(published) and ann.precision == precision
             assert ann.mode == ("full" if version == 0 or mode == "full" else "delta")
             await until(lambda v=version: follower.held_version >= v)

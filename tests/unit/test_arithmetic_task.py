@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from miles.tasks.evaluate import evaluate
 from transformers import PreTrainedTokenizerFast
 
 from miles.config import ArithmeticTaskConfig
 from miles.engines.base import Generation, SamplingParams
 from miles.models.tiny import build_char_tokenizer
+from miles.rollout.episode import EpisodeLimits
+from miles.rollout.evaluate import evaluate
+from miles.rollout.render import Renderer
 from miles.tasks.arithmetic import ArithmeticTask
 from miles.tasks.base import Sample, first_answer
 from miles.tasks.registry import build_task
@@ -92,38 +94,38 @@ def test_build_task_dispatches_arithmetic() -> None:
 
 
 class ScriptedEngine:
-    """Engine stand-in that answers correctly for prompts in ``right`` and with '0' otherwise."""
+    """Engine stand-in (control logic only) that answers correctly for prompts in ``right``, '0' otherwise."""
+
+    max_context = 512
+    error = None
 
     def __init__(self, tokenizer: PreTrainedTokenizerFast, task: ArithmeticTask, right: set[str]) -> None:
         self.tokenizer, self.right = tokenizer, right
         self.answers = {s.prompt: s.answer for s in task.samples("eval")}
-        self.calls: list[tuple[int, SamplingParams]] = []
+        self.calls: list[SamplingParams] = []
 
     @property
     def version(self) -> int:
         return 0
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        self.calls.append((len(prompts), params))
-        out = []
-        for ids in prompts:
-            prompt = self.tokenizer.decode(ids, skip_special_tokens=True)
-            text = self.answers[prompt] if prompt in self.right else "0"
-            tokens = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
-            out.append(Generation(list(ids), tokens, [0.0] * len(tokens), "stop", 0))
-        return out
+    async def generate(self, ids: list[int], params: SamplingParams) -> Generation:
+        self.calls.append(params)
+        prompt = self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = self.answers[prompt] if prompt in self.right else "0"
+        tokens = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return Generation(list(ids), tokens, [0.0] * len(tokens), "stop", 0)
 
 
-def test_evaluate_is_greedy_batched_mean_reward() -> None:
+async def test_evaluate_is_greedy_mean_reward() -> None:
     tokenizer = build_char_tokenizer()
     task = ArithmeticTask(ArithmeticTaskConfig(eval_size=10, train_size=10))
     samples = task.samples("eval")
     right = {s.prompt for s in samples[:3] if s.answer != "0"}
     engine = ScriptedEngine(tokenizer, task, right)
-    acc = evaluate(engine, tokenizer, task, samples, max_new_tokens=4, batch_size=4)
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, stop_token_ids=[tokenizer.eos_token_id])
+    out = await evaluate(engine, Renderer(tokenizer, "raw"), task, samples, params, EpisodeLimits())  # type: ignore[arg-type]
     expected = sum(1 for s in samples if s.prompt in right or s.answer == "0") / len(samples)
-    assert acc == pytest.approx(expected)
-    assert [n for n, _ in engine.calls] == [4, 4, 2]
-    assert all(p.temperature == 0 and p.max_new_tokens == 4 for _, p in engine.calls)
-    assert all(p.stop_token_ids == [tokenizer.eos_token_id] for _, p in engine.calls)
-    assert evaluate(engine, tokenizer, task, [], max_new_tokens=4) == 0.0
+    assert out.accuracy == pytest.approx(expected) and out.samples == 10 and out.failed == 0
+    assert all(p.temperature == 0 and p.max_new_tokens == 4 for p in engine.calls)
+    empty = await evaluate(engine, Renderer(tokenizer, "raw"), task, [], params, EpisodeLimits())  # type: ignore[arg-type]
+    assert empty.accuracy == 0.0

@@ -10,15 +10,19 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from miles.config import ArithmeticTaskConfig, JsonlTaskConfig, PretrainedModelConfig, TinyModelConfig
+from miles.config import ArithmeticTaskConfig, JsonlTaskConfig, PretrainedModelConfig, RunConfig, TinyModelConfig
 from miles.models import tiny
 from miles.models.loading import (
     ModelNotFoundError,
+    ModelNotPrepared,
     encode_prompt,
     load_policy,
-    resolve_model_dir,
+    prepared_model_dir,
     stop_token_ids,
 )
+from miles.prepare import prepare_model
+from miles.rollout.render import Renderer, demonstration_tokens
+from miles.tasks.fingerprint import task_fingerprint
 from miles.tasks.registry import build_task
 
 TASK = ArithmeticTaskConfig(max_operand=9, train_size=200, eval_size=20)
@@ -28,6 +32,14 @@ def small_cfg(tmp_path: Path, **kw: object) -> TinyModelConfig:
     base: dict[str, object] = dict(hidden_size=32, num_layers=1, num_heads=2, warmup_steps=3, warmup_batch_size=8)
     base.update(kw)
     return TinyModelConfig(cache_dir=str(tmp_path / "cache"), **base)
+
+
+def run_cfg(model: TinyModelConfig) -> RunConfig:
+    return RunConfig(model=model, task=TASK)
+
+
+def key(cfg: TinyModelConfig, task: object = TASK) -> str:
+    return tiny.cache_key(cfg, task_fingerprint(task))
 
 
 def test_char_tokenizer_round_trips_after_save(tmp_path: Path) -> None:
@@ -70,8 +82,9 @@ def test_warm_up_lowers_answer_loss() -> None:
     )
     task = build_task(TASK)
     model = tiny.build_tiny_model(cfg, tok)
-    batch = tiny._collate([tiny._sft_example(tok, s) for s in task.samples("train")[:64]], tok.pad_token_id)
-    ids, mask, labels = batch
+    renderer = Renderer(tok, "raw")
+    examples = [demonstration_tokens(renderer, task.demonstration(s), tok.eos_token_id) for s in task.samples("train")]
+    ids, mask, labels = tiny._collate(examples[:64], tok.pad_token_id)
     # Labels cover exactly the answer characters plus EOS.
     first = task.samples("train")[0]
     assert int((labels[0] != -100).sum()) == len(first.answer) + 1
@@ -81,16 +94,17 @@ def test_warm_up_lowers_answer_loss() -> None:
             return float(model(input_ids=ids, attention_mask=mask, labels=labels).loss)
 
     before = loss()
-    assert tiny.warm_up(model, tok, task, cfg)[0] == 30
+    assert tiny.warm_up(model, tok.pad_token_id, examples, cfg)[0] == 30
     assert loss() < 0.6 * before
     assert not model.training
 
 
 def test_warm_up_stops_at_the_target_accuracy(tmp_path: Path) -> None:
-    info = tiny.build_tiny_model_dir(small_cfg(tmp_path, warmup_steps=25, warmup_target_accuracy=0.0), TASK, tmp_path)
+    reached = prepare_model(run_cfg(small_cfg(tmp_path / "a", warmup_steps=25, warmup_target_accuracy=0.0)))
+    info = json.loads((reached / tiny.BUILD_INFO_FILE).read_text())
     assert info["warmup_steps_run"] == tiny.TARGET_CHECK_EVERY  # any accuracy meets 0.0 at the first check
-    info = tiny.build_tiny_model_dir(small_cfg(tmp_path, warmup_steps=25, warmup_target_accuracy=1.0), TASK, tmp_path)
-    assert info["warmup_steps_run"] == 25
+    unreachable = prepare_model(run_cfg(small_cfg(tmp_path / "b", warmup_steps=25, warmup_target_accuracy=1.0)))
+    assert json.loads((unreachable / tiny.BUILD_INFO_FILE).read_text())["warmup_steps_run"] == 25
 
 
 def test_ensure_tiny_model_builds_once_and_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -99,12 +113,14 @@ def test_ensure_tiny_model_builds_once_and_caches(tmp_path: Path, monkeypatch: p
     real_build = tiny.build_tiny_model_dir
 
     def counting_build(*args: object, **kwargs: object) -> dict:
-        built.append(args[2])  # type: ignore[arg-type]
+        built.append(args[1])  # type: ignore[arg-type]
         return real_build(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(tiny, "build_tiny_model_dir", counting_build)
     results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(resolve_model_dir(cfg, TASK))) for _ in range(3)]
+    with pytest.raises(ModelNotPrepared, match="miles prepare"):
+        prepared_model_dir(cfg, TASK)  # actors only locate what was prepared
+    threads = [threading.Thread(target=lambda: results.append(prepare_model(run_cfg(cfg)))) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
@@ -112,14 +128,15 @@ def test_ensure_tiny_model_builds_once_and_caches(tmp_path: Path, monkeypatch: p
     assert len(built) == 1 and len(set(results)) == 1
     model_dir = results[0]
     assert model_dir.parent == tmp_path / "cache"
-    assert model_dir.name == f"tiny-{tiny.cache_key(cfg, TASK)}"
+    assert model_dir.name == f"tiny-{key(cfg)}"
     assert (model_dir / "model.safetensors").is_file()
     info = json.loads((model_dir / tiny.BUILD_INFO_FILE).read_text())
     assert 0.0 <= info["eval_accuracy"] <= 1.0
     # No temporary build directories are left behind.
     assert [p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()] == [model_dir.name]
     # A second call is a cache hit.
-    assert resolve_model_dir(cfg, TASK) == model_dir and len(built) == 1
+    assert prepare_model(run_cfg(cfg)) == model_dir and len(built) == 1
+    assert prepared_model_dir(cfg, TASK) == model_dir
 
     model, tok = load_policy(model_dir, "float32", "cpu")
     assert isinstance(model, LlamaForCausalLM) and not model.training
@@ -127,8 +144,8 @@ def test_ensure_tiny_model_builds_once_and_caches(tmp_path: Path, monkeypatch: p
 
 
 def test_build_is_deterministic(tmp_path: Path) -> None:
-    a = tiny.ensure_tiny_model(small_cfg(tmp_path / "a"), TASK)
-    b = tiny.ensure_tiny_model(small_cfg(tmp_path / "b"), TASK)
+    a = prepare_model(run_cfg(small_cfg(tmp_path / "a")))
+    b = prepare_model(run_cfg(small_cfg(tmp_path / "b")))
     ma, _ = load_policy(a)
     mb, _ = load_policy(b)
     for (name, pa), (_, pb) in zip(ma.state_dict().items(), mb.state_dict().items(), strict=True):
@@ -137,22 +154,22 @@ def test_build_is_deterministic(tmp_path: Path) -> None:
 
 def test_cache_key_tracks_what_changes_the_model(tmp_path: Path) -> None:
     cfg = small_cfg(tmp_path)
-    key = tiny.cache_key(cfg, TASK)
-    assert tiny.cache_key(cfg.model_copy(update={"cache_dir": "/elsewhere"}), TASK) == key
-    assert tiny.cache_key(cfg.model_copy(update={"warmup_steps": 4}), TASK) != key
-    assert tiny.cache_key(cfg, TASK.model_copy(update={"seed": 1})) != key
+    k = key(cfg)
+    assert key(cfg.model_copy(update={"cache_dir": "/elsewhere"})) == k
+    assert key(cfg.model_copy(update={"warmup_steps": 4})) != k
+    assert key(cfg, TASK.model_copy(update={"seed": 1})) != k
     train = tmp_path / "train.jsonl"
     train.write_text('{"prompt": "a", "answer": "b"}\n')
     jcfg = JsonlTaskConfig(train_path=str(train), eval_path=str(train), reward="m:f")
-    jkey = tiny.cache_key(cfg, jcfg)
+    jkey = key(cfg, jcfg)
     train.write_text('{"prompt": "a", "answer": "c"}\n')
-    assert tiny.cache_key(cfg, jcfg) != jkey  # the warm-up data changed
+    assert key(cfg, jcfg) != jkey  # the warm-up data changed
 
 
 def test_resolve_pretrained_checks_the_path(tmp_path: Path) -> None:
     with pytest.raises(ModelNotFoundError, match="not a directory"):
-        resolve_model_dir(PretrainedModelConfig(path=str(tmp_path / "nope")), TASK)
+        prepared_model_dir(PretrainedModelConfig(path=str(tmp_path / "nope")), TASK)
     with pytest.raises(ModelNotFoundError, match="config.json"):
-        resolve_model_dir(PretrainedModelConfig(path=str(tmp_path)), TASK)
+        prepared_model_dir(PretrainedModelConfig(path=str(tmp_path)), TASK)
     (tmp_path / "config.json").write_text("{}")
-    assert resolve_model_dir(PretrainedModelConfig(path=str(tmp_path)), TASK) == tmp_path
+    assert prepared_model_dir(PretrainedModelConfig(path=str(tmp_path)), TASK) == tmp_path
