@@ -211,6 +211,12 @@ class EvalConfig(Strict):
     shard_size: int = Field(50, ge=1, description="Held-out samples per evaluation work item.")
     max_new_tokens: int | None = Field(None, ge=1, description="Per model turn (None: rollout.sampling's).")
     max_samples: int | None = Field(None, ge=1, description="Evaluate only the first this many held-out samples.")
+    final_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="How long the controller waits for the last version's evaluation before it "
+        "writes summary.json without it (the summary then says so).",
+    )
 
 
 # --------------------------------------------------------------------------- trainer

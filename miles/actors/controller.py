@@ -52,7 +52,6 @@ from miles.bus.schema import (
 from miles.tasks.base import Sample
 
 KEY_CONTROLLER = "controller_state"
-FINAL_EVAL_TIMEOUT_S = 1800.0
 KEEP_VERSIONS = 256  # version -> step entries remembered (lags of workers a few versions behind)
 
 
@@ -209,15 +208,21 @@ class Controller(Actor):
                 self.trainer_version, self.trainer_step = ann.version, ann.step
                 self._wake.set()
                 if first and not self._admit_open.is_set():
-                    self._tasks.create_task(self._initial_eval(ann.version), name="controller.initial_eval")
+                    self._tasks.create_task(self._initial_eval(ann.version, done), name="controller.initial_eval")
                 elif not ann.replayed and self.evals.due(ann.step, self.cfg.trainer.steps) and ann.step > 0:
                     await self.evals.request(ann.version)
 
-    async def _initial_eval(self, version: int) -> None:
-        """Evaluate the initial policy before any prompt goes out, so eval_before is exactly its accuracy."""
+    async def _initial_eval(self, version: int, done: asyncio.Event) -> None:
+        """Evaluate the initial policy before any prompt goes out, so eval_before is exactly its accuracy
+        (or until the run ends first)."""
         try:
             eval_id = await self.evals.request(version)
-            await self.evals.wait(eval_id)
+            waits = [asyncio.ensure_future(self.evals.wait(eval_id)), asyncio.ensure_future(done.wait())]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
         finally:
             self._admit_open.set()
 
@@ -319,12 +324,15 @@ class Controller(Actor):
     async def _finish(self, trainer_done: TrainerDone, done: asyncio.Event) -> None:
         """Evaluate the final version, write the summary, stop every actor."""
         eval_id = await self.evals.request(trainer_done.policy_version)
-        final = await self.evals.wait(eval_id, FINAL_EVAL_TIMEOUT_S)
+        final = await self.evals.wait(eval_id, self.cfg.eval.final_timeout_s)
         if final is None:
-            self.log.error("final_eval_timed_out", version=trainer_done.policy_version, after_s=FINAL_EVAL_TIMEOUT_S)
+            self.log.error(
+                "final_eval_timed_out", version=trainer_done.policy_version, after_s=self.cfg.eval.final_timeout_s
+            )
         outstanding = self.state.issued - self.state.discarded - self.record.groups_trained
         summary = self.record.write_summary(
             status="complete",
+            final_eval="done" if final is not None else f"timed out after {self.cfg.eval.final_timeout_s:g} s",
             steps=trainer_done.steps,
             final_version=trainer_done.policy_version,
             dead_lettered=await self.bus.dead_letter_count(),

@@ -58,6 +58,7 @@ async def test_controller_flags_a_worker_holding_other_weights(nats_server: str,
             "trainer.steps=2",
             "monitor.plots=false",
             "bus.heartbeat_s=0.2",
+            "eval.final_timeout_s=0.5",  # no rollout worker here plays the final evaluation
         ],
     )
     s = peer.subjects

@@ -84,13 +84,15 @@ def test_config_and_registry() -> None:
 
 
 def test_tiny_model_builds_for_copy(tmp_path: Path) -> None:
-    from miles.models.loading import resolve_model_dir
+    from miles.config import RunConfig
+    from miles.models.loading import prepared_model_dir
     from miles.models.tiny import BUILD_INFO_FILE
+    from miles.prepare import prepare_model
 
     model_cfg = TinyModelConfig(
         hidden_size=32, num_layers=1, num_heads=2, warmup_steps=3, warmup_batch_size=8, cache_dir=str(tmp_path)
     )
     task_cfg = CopyTaskConfig(train_size=100, eval_size=10, max_len=20)
-    path = resolve_model_dir(model_cfg, task_cfg)
+    path = prepare_model(RunConfig(model=model_cfg, task=task_cfg))
     assert (path / BUILD_INFO_FILE).is_file() and (path / "config.json").is_file()
-    assert resolve_model_dir(model_cfg, task_cfg) == path
+    assert prepared_model_dir(model_cfg, task_cfg) == path

@@ -18,6 +18,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from miles.config import LoraConfig
 from miles.engines.base import SamplingParams
+from miles.engines.batch import generate_all_sync
 from miles.engines.torch_engine import TorchEngine
 from miles.models.families import TinyDims, UnknownFamilyError, family_names, get_family
 from miles.models.families.build import BUILD_INFO_FILE, build_tiny_twin, twin_cache_key, write_tiny_twin
@@ -305,8 +306,8 @@ def test_cached_greedy_decoding_matches_full_recompute(name: str, twins: dict[st
 
     engine = TorchEngine(model, tokenizer.pad_token_id)
     params = SamplingParams(max_new_tokens=steps, temperature=0.0, stop_token_ids=[])
-    single_long, single_short = engine.generate([long], params)[0], engine.generate([short], params)[0]
-    batch = engine.generate([long, short], params)
+    single_long, single_short = (generate_all_sync(engine, [p], params)[0] for p in (long, short))
+    batch = generate_all_sync(engine, [long, short], params)  # continuous batching: the two share the batch
     assert single_long.output_ids == new
     assert max(abs(a - b) for a, b in zip(single_long.logprobs, ref)) < 1e-4
     for row, single in zip(batch, (single_long, single_short)):
