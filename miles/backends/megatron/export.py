@@ -52,9 +52,7 @@ class _Held:
     expert: bool
 
 
-def _held_here(
-    chunks: list[torch.nn.Module], settings: MegatronSettings, args: McoreModelArgs
-) -> dict[str, _Held]:
+def _held_here(chunks: list[torch.nn.Module], settings: MegatronSettings, args: McoreModelArgs) -> dict[str, _Held]:
     """This rank's parameters by canonical name, and whether it belongs to each one's source group."""
     from megatron.core import parallel_state as ps
 

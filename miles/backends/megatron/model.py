@@ -55,10 +55,10 @@ def build_chunks(
     patch_megatron()
     sequence_parallel = settings.uses_sequence_parallel and (use_te or fused_norm_available())
     if settings.uses_sequence_parallel and not sequence_parallel:
+        if args.num_experts and not cpu:  # megatron-core refuses to train MoE + TP without SP
+            raise RuntimeError("MoE with tensor_parallel > 1 needs sequence parallelism: install transformer-engine")
         log.warning("megatron.sequence_parallel_off", reason="no TransformerEngine or Apex norm")
-    config = transformer_config(
-        args, settings, cpu=cpu, transformer_engine=use_te, sequence_parallel=sequence_parallel
-    )
+    config = transformer_config(args, settings, cpu=cpu, transformer_engine=use_te, sequence_parallel=sequence_parallel)
     vp = settings.virtual_pipeline_parallel
     chunks: list[GPTModel] = []
     for stage in range(vp or 1):
@@ -102,7 +102,9 @@ def local_names(chunk: torch.nn.Module, settings: MegatronSettings, args: McoreM
 def weight_shapes(chunk: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     """``state_dict`` names and shapes of the weights and persistent buffers (no TE extra state)."""
     return {
-        k: tuple(v.shape) for k, v in chunk.state_dict().items() if isinstance(v, torch.Tensor) and not is_persistent_extra(k)
+        k: tuple(v.shape)
+        for k, v in chunk.state_dict().items()
+        if isinstance(v, torch.Tensor) and not is_persistent_extra(k)
     }
 
 

@@ -78,9 +78,13 @@ class DeepseekConverter(LlamaConverter):
         if tr.get("q_lora_rank"):
             out["self_attention.linear_q_down_proj.weight"] = Copy(f"{hf}.q_a_proj.weight")
             out["self_attention.q_layernorm.weight"] = Copy(f"{hf}.q_a_layernorm.weight")
-            out["self_attention.linear_q_up_proj.weight"] = RotaryRows(f"{hf}.q_b_proj.weight", heads, nope, rope, interleave)
+            out["self_attention.linear_q_up_proj.weight"] = RotaryRows(
+                f"{hf}.q_b_proj.weight", heads, nope, rope, interleave
+            )
         else:
-            out["self_attention.linear_q_proj.weight"] = RotaryRows(f"{hf}.q_proj.weight", heads, nope, rope, interleave)
+            out["self_attention.linear_q_proj.weight"] = RotaryRows(
+                f"{hf}.q_proj.weight", heads, nope, rope, interleave
+            )
         out["self_attention.linear_kv_down_proj.weight"] = RotaryRows(
             f"{hf}.kv_a_proj_with_mqa.weight", 1, tr["kv_lora_rank"], rope, interleave
         )

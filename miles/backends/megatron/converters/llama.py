@@ -25,7 +25,9 @@ class LlamaConverter:
 
     def mappings(self) -> dict[str, Mapping]:
         if self._table is None:
-            table: dict[str, Mapping] = {"embedding.word_embeddings.weight": Copy("model.embed_tokens.weight", self.pad_rows)}
+            table: dict[str, Mapping] = {
+                "embedding.word_embeddings.weight": Copy("model.embed_tokens.weight", self.pad_rows)
+            }
             for layer in range(self.tr["num_layers"]):
                 for rest, mapping in self.layer(layer).items():
                     table[f"decoder.layers.{layer}.{rest}"] = mapping
