@@ -70,7 +70,8 @@ def _chunk_stats(
     if not want_entropy:
         return logp, logp.new_zeros(())
     probs = exp / total.unsqueeze(-1)  # (N, Vl)
-    pz = torch.where(padding, torch.zeros_like(z), probs * z).sum(dim=-1)  # padding: p = 0, z = -inf
+    finite = z.masked_fill(padding, 0.0) if bool(padding.any()) else z  # p = 0 there; 0 * -inf would be NaN
+    pz = (probs * finite).sum(dim=-1)
     entropy = lse - _reduce_sum(pz, group, size)
     return logp, entropy
 
