@@ -31,6 +31,8 @@ def tiny_hf_config(kind: str) -> Any:
     common.update(max_position_embeddings=128, tie_word_embeddings=False)
     if kind == "llama":
         return tf.LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, **common)
+    if kind == "llama_pad":  # HF gives the embedding padding_idx=0: that row never gets a gradient
+        return tf.LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, pad_token_id=0, **common)
     if kind == "qwen2":
         return tf.Qwen2Config(num_hidden_layers=2, num_key_value_heads=2, **common)
     if kind == "qwen3":

@@ -46,6 +46,10 @@ def init_model_parallel(settings: MegatronSettings, seed: int) -> None:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     settings.data_parallel_size(dist.get_world_size())  # raises naming the layout if it does not tile
+    if ps.model_parallel_is_initialized():  # a second backend in one process (the GPU check): same layout
+        if ps.get_tensor_model_parallel_world_size() != settings.tensor_parallel:
+            raise RuntimeError("megatron's process groups already exist with another layout")
+        return
     ps.initialize_model_parallel(
         tensor_model_parallel_size=settings.tensor_parallel,
         pipeline_model_parallel_size=settings.pipeline_parallel,
@@ -77,10 +81,18 @@ class MegatronBackend:
         pad_token_id: id the micro-batches are padded with.
         trainer_cfg: optimizer and algorithm settings; ``trainer_cfg.backend`` a ``MegatronBackendConfig``.
         temperature: sampling temperature of the rollouts (log-probs use ``logits / temperature``).
+        settings: overrides what is read from ``trainer_cfg.backend`` (the GPU check sets precision with it,
+            until ``MegatronBackendConfig`` has every field of :class:`MegatronSettings`).
     """
 
     def __init__(
-        self, model_dir: str | Path, pad_token_id: int, trainer_cfg: TrainerConfig, *, temperature: float = 1.0
+        self,
+        model_dir: str | Path,
+        pad_token_id: int,
+        trainer_cfg: TrainerConfig,
+        *,
+        temperature: float = 1.0,
+        settings: MegatronSettings | None = None,
     ) -> None:
         if not isinstance(trainer_cfg.backend, MegatronBackendConfig):
             raise TypeError(f"MegatronBackend needs a MegatronBackendConfig, got {type(trainer_cfg.backend).__name__}")
@@ -90,7 +102,7 @@ class MegatronBackend:
         from transformers import AutoConfig
 
         self.cfg = trainer_cfg
-        self.settings = MegatronSettings.from_backend_config(trainer_cfg.backend, seed=trainer_cfg.seed)
+        self.settings = settings or MegatronSettings.from_backend_config(trainer_cfg.backend, seed=trainer_cfg.seed)
         self.args: McoreModelArgs = translate(AutoConfig.from_pretrained(str(model_dir)))
         init_model_parallel(self.settings, trainer_cfg.seed)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()

@@ -145,7 +145,9 @@ def translate(hf_config: Any) -> McoreModelArgs:
         "position_embedding_type": "rope",
     }
     config_attrs: dict[str, Any] = {}
-    needs = {"head_dim": head_dim, "rope_interleave": False}
+    pad = hf.get("pad_token_id")
+    # HF builds the input embedding with padding_idx=pad_token_id: that row never receives a gradient.
+    needs = {"head_dim": head_dim, "rope_interleave": False, "padding_idx": pad if isinstance(pad, int) else None}
 
     if family == "deepseek":
         _deepseek_attention(hf, transformer, gpt, needs)

@@ -116,7 +116,8 @@ def load_hf_weights(
     settings: MegatronSettings,
     args: McoreModelArgs,
 ) -> None:
-    """Copy this rank's shards of the HF weights into ``chunks`` (every parameter must be covered)."""
+    """Copy this rank's shards of the HF weights into ``chunks`` (every parameter must be covered), and give
+    the embedding HF's ``padding_idx`` gradient rule (:func:`freeze_padding_row`)."""
     from megatron.core import parallel_state as ps
 
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
@@ -130,7 +131,28 @@ def load_hf_weights(
         for name, tensor in tensors.items():
             target = targets[name]
             target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
+    freeze_padding_row(chunks, args)
     log.info("megatron.weights_loaded", family=converter.family, chunks=len(chunks), tp_rank=tp_rank)
+
+
+def freeze_padding_row(chunks: list[torch.nn.Module], args: McoreModelArgs) -> None:
+    """Zero the gradient of the embedding row of ``pad_token_id``, as HF's ``nn.Embedding(padding_idx=...)``
+    does, so that a sampled pad token trains the same way under both backends. Only the TP rank whose
+    vocabulary shard holds the row changes anything."""
+    from megatron.core import parallel_state as ps
+
+    pad = args.hf.get("padding_idx")
+    if pad is None:
+        return
+    for chunk in chunks:
+        embedding = getattr(unwrap(chunk), "embedding", None)
+        if embedding is None:
+            continue
+        weight = embedding.word_embeddings.weight
+        start = ps.get_tensor_model_parallel_rank() * weight.shape[0]
+        if start <= pad < start + weight.shape[0]:
+            row = pad - start
+            weight.register_hook(lambda grad, row=row: grad.index_fill(0, torch.tensor([row], device=grad.device), 0.0))
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
