@@ -38,7 +38,7 @@ def _worker(rank: int, world: int, tp: int, pp: int, path: str, port: int, write
     try:
         with cpu_megatron():
             args = translate(model.config)
-            settings = MegatronSettings(tensor_parallel=tp, pipeline_parallel=pp)
+            settings = MegatronSettings(tensor_parallel=tp, pipeline_parallel=pp, bf16=False)
             converter = converter_for(args, tp)
             torch.manual_seed(rank + 7)  # different random weights than any other run
             chunks = build_chunks(args, settings, cpu=True)

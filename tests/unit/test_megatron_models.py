@@ -67,3 +67,26 @@ def test_export_round_trip_is_bit_exact(mcore, kind: str) -> None:
     assert set(back) == set(disk)
     for name, tensor in disk.items():
         assert torch.equal(back[name], tensor), name
+
+
+def test_bf16_model_keeps_the_expert_bias_in_float32(mcore) -> None:
+    """bf16 weights everywhere (norms included, as megatron's Float16Module casts them), except the routing
+    bias, which stays float32 and bit-equal to the checkpoint's; log-probs within bf16 rounding of HF's."""
+    from miles.backends.megatron.converters import converter_for
+    from miles.backends.megatron.model import build_chunks, load_hf_weights
+
+    model, disk = tiny_hf("deepseek_v3")
+    args = translate(model.config)
+    settings = MegatronSettings(moe_token_dispatcher="allgather", bf16=True)
+    (chunk,) = build_chunks(args, settings, cpu=True)
+    load_hf_weights([chunk], converter_for(args), disk.__getitem__, settings, args)
+    dtypes = {name: t.dtype for name, t in chunk.state_dict().items() if isinstance(t, torch.Tensor)}
+    biases = [name for name in dtypes if name.endswith("expert_bias")]
+    assert biases and all(dtypes[n] == torch.float32 for n in biases)
+    assert all(dtype == torch.bfloat16 for name, dtype in dtypes.items() if name not in biases)
+    hf_bias = disk["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert torch.equal(chunk.state_dict()["decoder.layers.1.mlp.router.expert_bias"], hf_bias)
+    batch = mcore.packed_batch(model.config.vocab_size)
+    got, expected = mcore_logprobs(chunk.eval(), args, batch), hf_logprobs(model, batch)
+    mask = batch.seq_index >= 0
+    assert (got[mask] - expected[mask]).abs().max() < 0.15

@@ -50,9 +50,8 @@ def _worker(rank: int, kind: str, tp: int, pp: int, ep: int, port: int) -> None:
     try:
         with cpu_megatron():
             args = translate(model.config)
-            settings = MegatronSettings(
-                tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, moe_token_dispatcher="allgather"
-            )
+            layout = dict(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep)
+            settings = MegatronSettings(**layout, moe_token_dispatcher="allgather", bf16=False)
             converter = converter_for(args, tp)
             chunks = build_chunks(args, settings, cpu=True)
             load_hf_weights(chunks, converter, disk.__getitem__, settings, args)

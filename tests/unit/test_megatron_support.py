@@ -141,10 +141,12 @@ class CpuMegatron:
     """Handle of the 1-rank megatron-core setup that :func:`cpu_model` enters."""
 
     def build(self, args: Any, settings: Any) -> Any:
+        import dataclasses
+
         from miles.backends.megatron.model import build_chunks
 
         torch.manual_seed(1)
-        (chunk,) = build_chunks(args, settings, cpu=True)
+        (chunk,) = build_chunks(args, dataclasses.replace(settings, bf16=False), cpu=True)
         return chunk.eval()
 
     def load(self, chunk: Any, args: Any, disk: dict[str, Tensor]) -> None:

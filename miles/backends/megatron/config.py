@@ -321,7 +321,6 @@ def moe_kwargs(args: McoreModelArgs, settings: MegatronSettings) -> dict[str, An
         "moe_token_dispatcher_type": settings.moe_token_dispatcher,
         "moe_router_dtype": "fp32",
         "moe_router_bias_update_rate": settings.moe_expert_bias_update_rate,
-        "moe_enable_routing_replay": settings.moe_routing_replay,
         "moe_grouped_gemm": False,
     }
 
@@ -334,8 +333,8 @@ def transformer_config(
     transformer_engine: bool = False,
     sequence_parallel: bool | None = None,
 ) -> TransformerConfig:
-    """The megatron-core config object (``MLATransformerConfig`` for MLA). ``cpu``: float32 weights built on
-    CPU (contract tests and dry runs); otherwise bf16 weights on the current CUDA device."""
+    """The megatron-core config object (``MLATransformerConfig`` for MLA). ``cpu``: weights allocated on CPU
+    (contract tests and dry runs), else on the current CUDA device; bf16 or float32 per ``settings.bf16``."""
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
@@ -346,7 +345,7 @@ def transformer_config(
     kwargs.update(moe_kwargs(args, settings))
     if not args.num_experts:  # unused without experts; megatron's allgather default refuses variable lengths
         kwargs["moe_token_dispatcher_type"] = "alltoall"
-    bf16 = settings.bf16 and not cpu
+    bf16 = settings.bf16
     kwargs.update(
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,

@@ -79,10 +79,22 @@ def build_chunks(
             vp_stage=vp_stage,
             **gpt_kwargs,
         )
+        if config.bf16:
+            _to_bf16(chunk)
         if not cpu:
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)
     return chunks
+
+
+def _to_bf16(chunk: torch.nn.Module) -> None:
+    """Every weight in bf16, as megatron's ``Float16Module`` casts it (its torch-norm fallback is built in
+    float32), except the routers' expert-score bias, which megatron keeps in float32 and HF stores so."""
+    chunk.bfloat16()
+    for module in chunk.modules():
+        bias = module._buffers.get("expert_bias")
+        if bias is not None:
+            module._buffers["expert_bias"] = bias.float()
 
 
 def local_names(chunk: torch.nn.Module, settings: MegatronSettings, args: McoreModelArgs) -> LocalNames:

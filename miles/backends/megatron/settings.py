@@ -41,7 +41,6 @@ class MegatronSettings:
     moe_pad_expert_input_to_capacity: bool = False
     moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     moe_expert_bias_update_rate: float = 0.0
-    moe_routing_replay: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
