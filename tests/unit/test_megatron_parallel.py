@@ -129,6 +129,7 @@ def _check_gradients(chunks, converter, settings, args, model, disk, batch, rank
     load_hf_weights(chunks, converter, disk.__getitem__, settings, args)  # the weights again, for the export check
 
 
+@pytest.mark.slow  # two spawned processes, megatron imported in each
 @pytest.mark.parametrize(("kind", "tp", "pp", "ep"), LAYOUTS)
 def test_parallel_layout_loads_runs_and_exports(kind: str, tp: int, pp: int, ep: int) -> None:
     from miles.backends.distributed import find_free_port
