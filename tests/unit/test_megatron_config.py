@@ -16,6 +16,16 @@ from miles.backends.megatron.config import UnsupportedModelError, moe_kwargs, pa
 from miles.backends.megatron.settings import MegatronSettings
 from miles.config import MegatronBackendConfig, load_config
 
+
+def _has_megatron_core() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+NEEDS_MEGATRON = pytest.mark.skipif(not _has_megatron_core(), reason="needs megatron-core installed")
+
 LLAMA = {
     "model_type": "llama",
     "vocab_size": 100,
@@ -213,7 +223,7 @@ def test_unavailable_without_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     assert reason == "trainer.backend.type=megatron needs megatron-core: pip install 'miles[megatron]'"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core installed")
+@NEEDS_MEGATRON
 def test_unavailable_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
@@ -222,7 +232,7 @@ def test_unavailable_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert reason is not None and "needs a CUDA GPU" in reason and "\n" not in reason
 
 
-@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core installed")
+@NEEDS_MEGATRON
 def test_unavailable_reasons_past_the_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     import torch
 
@@ -238,7 +248,7 @@ def test_unavailable_reasons_past_the_gpu(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert reason is not None and "model_type 'gpt2'" in reason
 
 
-@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core installed")
+@NEEDS_MEGATRON
 @pytest.mark.parametrize(
     "hf",
     [
