@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.uniform_etas.strip():
         variants.append(("uniform", uniform, [int(x) for x in args.uniform_etas.split(",") if x.strip()]))
 
-    from miles.models.loading import resolve_model_dir
+    from miles.prepare import prepare_model
     from miles.tasks.registry import build_task
 
     tasks: dict[str, Any] = {}
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             info["train_completion_len"] = length_stats(build_task(cfg.task).samples("train"))
             _log(f"{name}: train completion lengths {info['train_completion_len']}")
         t0 = time.perf_counter()
-        info["model_dir"] = str(resolve_model_dir(cfg.model, cfg.task))  # built here, outside the timings
+        info["model_dir"] = str(prepare_model(cfg))  # built here, outside the timings
         _log(f"{name}: model ready in {time.perf_counter() - t0:.1f}s")
         info["budget"] = {
             "steps": cfg.trainer.steps,

@@ -74,11 +74,12 @@ class Report:
 def build_model(out: Path, quick: bool) -> tuple[Path, Any, Any]:
     """The quickstart model directory, its config and tokenizer."""
     from miles.config import load_config
-    from miles.models.loading import load_tokenizer, resolve_model_dir
+    from miles.models.loading import load_tokenizer
+    from miles.prepare import prepare_model
 
     sets = ["model.warmup_steps=10", "model.warmup_target_accuracy=null"] if quick else []
     cfg = load_config(ROOT / "recipes" / "quickstart.yaml", sets)
-    model_dir = resolve_model_dir(cfg.model, cfg.task)
+    model_dir = prepare_model(cfg)
     return model_dir, cfg, load_tokenizer(model_dir)
 
 

@@ -304,10 +304,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"miles_vs_trl: error: {exc}", file=sys.stderr)
         return 2
 
-    from miles.models.loading import resolve_model_dir
+    from miles.prepare import prepare_model
 
     start = time.perf_counter()
-    model_dir = resolve_model_dir(cfg.model, cfg.task)  # build once, outside both measurements
+    model_dir = prepare_model(cfg)  # build once, outside both measurements
     _log(f"model ready in {time.perf_counter() - start:.1f}s: {model_dir}")
 
     env = child_env(args.env_threads)

@@ -8,7 +8,7 @@ state with the Miles run); it can be run alone. It needs the ``benchmark`` extra
 
 What is aligned with Miles, and how (so that the comparison measures the frameworks, not the settings):
 
-* the model is the very checkpoint Miles trains (``resolve_model_dir``: the cached tiny model, or the
+* the model is the very checkpoint Miles trains (``prepare_model``: the cached tiny model, or the
   pretrained path), loaded with Miles' own ``load_policy`` in float32;
 * prompts are the task's train split, tokenised exactly like Miles (``encode_prompt``: BOS + the
   prompt's tokens, nothing appended). TRL's plain-text path calls ``tokenizer(text=...)``, which for the
@@ -184,10 +184,11 @@ def run(cfg: RunConfig, threads: int | None) -> dict[str, Any]:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from miles.models.loading import encode_prompt, load_policy, resolve_model_dir
+    from miles.models.loading import encode_prompt, load_policy
+    from miles.prepare import prepare_model
     from miles.tasks.registry import build_task
 
-    model_dir = resolve_model_dir(cfg.model, cfg.task)
+    model_dir = prepare_model(cfg)
     _log("model", dir=str(model_dir))
     evaluator = Evaluator.create(cfg)  # note: build_engine applies rollout.engine.threads to this process
     if threads is not None:

@@ -392,12 +392,62 @@ class FsdpBackendConfig(Strict):
 
 
 class MegatronBackendConfig(Strict):
-    """megatron-core at scale (GPU only)."""
+    """megatron-core at scale (GPU only): tensor, pipeline, expert and context parallelism, the distributed
+    optimizer, bf16 with float32 master weights (docs/megatron.md)."""
 
     type: Literal["megatron"] = "megatron"
-    tensor_parallel: int = Field(1, ge=1)
-    pipeline_parallel: int = Field(1, ge=1)
-    expert_parallel: int = Field(1, ge=1)
+    tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size (must divide the attention and KV heads).")
+    pipeline_parallel: int = Field(1, ge=1, description="Pipeline stages.")
+    virtual_pipeline_parallel: int | None = Field(
+        None, ge=2, description="Virtual stages per pipeline rank (interleaved 1F1B); needs pipeline_parallel >= 2."
+    )
+    context_parallel: int = Field(
+        1, ge=1, description="Context-parallel size (splits each sequence; needs transformer-engine and packing=thd)."
+    )
+    expert_parallel: int = Field(1, ge=1, description="Expert-parallel size (must divide dp * cp).")
+    sequence_parallel: bool = Field(
+        True,
+        description="Shard activations over the TP ranks when tensor_parallel > 1 (needs transformer-engine or apex "
+        "norms; otherwise off with a warning).",
+    )
+    bf16: bool = Field(
+        True, description="bf16 weights and compute with float32 master weights and Adam state; False: float32."
+    )
+    use_distributed_optimizer: bool = Field(
+        True, description="Shard optimizer state and master weights over the data-parallel ranks."
+    )
+    transformer_engine: Literal["auto", "on", "off"] = Field(
+        "auto", description="TransformerEngine layers when installed ('auto'), required ('on'), or local ('off')."
+    )
+    packing: Literal["auto", "thd", "mask"] = Field(
+        "auto",
+        description="Packed rows as 'thd' (cu_seqlens, TransformerEngine; needed for context parallelism) or 'mask' "
+        "(block-diagonal mask, local layers); 'auto': thd with TE, else mask.",
+    )
+    logprob_chunk_tokens: int = Field(
+        4096, ge=1, description="Tokens per chunk when computing log-probs from vocab-parallel logits."
+    )
+    recompute: Literal["none", "selective", "full"] = Field(
+        "none", description="Activation recomputation (megatron's recompute_granularity)."
+    )
+    moe_aux_loss_coef: float = Field(
+        0.0, ge=0, description="Weight of the router load-balancing loss (mean over micro-batches and replicas)."
+    )
+    moe_capacity_factor: float | None = Field(
+        None, gt=0, description="Expert capacity as a multiple of the even share of tokens (None: no dropping)."
+    )
+    moe_token_drop_policy: Literal["probs", "position"] = Field(
+        "probs", description="With a capacity: drop the lowest-probability tokens, or the latest ones."
+    )
+    moe_pad_expert_input_to_capacity: bool = Field(
+        False, description="With a capacity: pad every expert's input to it (static shapes)."
+    )
+    moe_token_dispatcher: Literal["alltoall", "allgather"] = Field(
+        "alltoall", description="How tokens reach experts across expert-parallel ranks."
+    )
+    moe_expert_bias_update_rate: float = Field(
+        0.0, ge=0, description="Aux-free balancing: update rate of the routing-score bias (0: frozen)."
+    )
 
 
 BackendConfig = Annotated[

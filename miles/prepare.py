@@ -34,6 +34,12 @@ def prepare(cfg: RunConfig) -> Path:
     from miles.tasks.jsonl import TaskError
     from miles.tasks.registry import build_task
 
+    if cfg.trainer.backend.type == "megatron":
+        from miles.backends.megatron import megatron_unavailable_reason
+
+        reason = megatron_unavailable_reason(cfg)
+        if reason is not None:
+            raise PrepareError(reason)
     try:
         task = build_task(cfg.task, sandbox=cfg.rollout.sandbox)
         task.check()

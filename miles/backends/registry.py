@@ -18,9 +18,13 @@ def build_backend(
     runs the same code for one rank as for many."""
     backend_cfg = cfg.trainer.backend
     if backend_cfg.type == "megatron":
-        raise BackendUnavailable(
-            "trainer.backend.type=megatron needs GPUs and megatron-core (pip install 'miles[megatron]'); "
-            "use trainer.backend.type=fsdp on CPU"
+        from miles.backends.megatron import build_megatron_backend, megatron_unavailable_reason
+
+        reason = megatron_unavailable_reason(cfg)
+        if reason is not None:
+            raise BackendUnavailable(reason)
+        return build_megatron_backend(
+            cfg, rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port
         )
     import torch
 

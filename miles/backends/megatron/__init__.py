@@ -78,8 +78,9 @@ def _model_reason(cfg: RunConfig, *, moe_tp_ok: bool) -> str | None:
 
 def build_megatron_backend(
     cfg: RunConfig, *, rank: int, world_size: int, master_addr: str, master_port: int
-) -> TrainBackend:
-    """Join NCCL, load the policy from its HF checkpoint and wrap it (``build_backend``'s megatron branch)."""
+) -> tuple[TrainBackend, int]:
+    """Join NCCL, load the policy from its HF checkpoint and wrap it (``build_backend``'s megatron branch);
+    returns the backend and the pad token id."""
     reason = megatron_unavailable_reason(cfg)
     if reason is not None:
         raise RuntimeError(reason)
@@ -87,16 +88,16 @@ def build_megatron_backend(
 
     from miles.backends.distributed import init_distributed, is_distributed
     from miles.backends.megatron.backend import MegatronBackend
-    from miles.models.loading import load_tokenizer, resolve_model_dir
+    from miles.models.loading import load_tokenizer, prepared_model_dir
 
     if not is_distributed():  # megatron-core always needs a process group, even for one rank
         init_distributed(rank, world_size, master_addr, master_port, device="cuda")
     torch.manual_seed(cfg.trainer.seed)
-    model_dir = resolve_model_dir(cfg.model, cfg.task)
+    model_dir = prepared_model_dir(cfg.model, cfg.task)
     tokenizer = load_tokenizer(model_dir)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     temperature = cfg.rollout.sampling.temperature or 1.0
-    return MegatronBackend(model_dir, int(pad or 0), cfg.trainer, temperature=temperature)
+    return MegatronBackend(model_dir, int(pad or 0), cfg.trainer, temperature=temperature), int(pad or 0)
 
 
 __all__ = ["build_megatron_backend", "megatron_unavailable_reason"]
