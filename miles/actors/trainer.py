@@ -28,6 +28,7 @@ from miles.actors.base import Actor, keep_in_progress
 from miles.actors.trainer_ranks import LeaderRanks
 from miles.algo.advantages import ADVANTAGES
 from miles.bus.dataplane import WeightStore
+from miles.failpoints import failpoint
 from miles.bus.schema import (
     GroupsDiscarded,
     Heartbeat,
@@ -82,6 +83,7 @@ class TrainerLeader(Actor):
         last_step_end = time.perf_counter()
         try:
             while self.lineage.step < cfg.trainer.steps and not self.stopping.is_set():
+                failpoint("between_steps")
                 collected = await self._collect(sub)
                 if collected is None:
                     break  # stopping: the held trajectories were nak'ed for redelivery
@@ -237,8 +239,10 @@ class TrainerLeader(Actor):
         dp_size = self.ranks.worker.backend.dp_size
         plan = plan_batch(batch.samples, self.cfg.trainer.algo.minibatches, dp_size)
         metrics = await self.ranks.call("train", plan)
+        failpoint("train")  # weights updated in memory, nothing published yet
         step = self.lineage.step + 1
         version = await self._publish(step=step, consumed=seqs, replayed=replayed)
+        failpoint("announced")  # published, its trajectories not acked yet
         step_s = time.perf_counter() - started
         metrics |= batch.metrics | {
             "step_s": step_s,

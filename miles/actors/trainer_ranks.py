@@ -15,6 +15,7 @@ from typing import Any, Callable, TypeVar
 
 import structlog
 
+from miles.failpoints import failpoint
 from miles.training.rank_worker import RankWorker
 
 log = structlog.get_logger(__name__)
@@ -58,7 +59,10 @@ class LeaderRanks:
         ``(name, tensor)`` iterator, consumed one parameter at a time by the payload encoder."""
         if self.world_size > 1:
             _broadcast(("drain_export", (adapter_only,)))
-        return self.worker.backend.export_params(adapter_only=adapter_only)
+        for i, item in enumerate(self.worker.backend.export_params(adapter_only=adapter_only)):
+            if i == 1:
+                failpoint("export")  # part of the payload is in the data plane, no manifest yet
+            yield item
 
     async def call(self, method: str, *args: Any) -> Any:
         """A collective :class:`RankWorker` call with the same arguments on every rank."""

@@ -54,6 +54,8 @@ from typing import Any, Protocol
 import structlog
 import torch.distributed as dist
 
+from miles.failpoints import failpoint
+
 log = structlog.get_logger(__name__)
 
 MARKER = "COMPLETE"
@@ -292,6 +294,7 @@ class CheckpointManager:
         pending.finished = True
         if self.rank != 0:
             return
+        failpoint("checkpoint")  # the shards are written, the checkpoint is not complete yet
         _write_atomic(pending.path / EXTRA, json.dumps(pending.extra, sort_keys=True).encode())
         seconds = round(time.perf_counter() - pending.started, 3)
         marker = {

@@ -159,6 +159,25 @@ async def subject_messages(url: str, stream: str, subject: str, model: type[M]) 
         await nc.close()
 
 
+async def traj_groups_by_seq(url: str, run: str) -> dict[int, str]:
+    """TRAJ stream sequence -> group id of every trajectory the stream holds."""
+    from miles.bus.connect import connect
+    from miles.bus.schema import Trajectory, decode
+
+    nc = await connect(url, name="audit")
+    try:
+        sub = await nc.jetstream().subscribe(f"{run}.traj", stream=f"{run}_TRAJ", ordered_consumer=True)
+        out: dict[int, str] = {}
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=1.0)
+            except Exception:  # nats TimeoutError: nothing more
+                return out
+            out[msg.metadata.sequence.stream] = decode(msg.data, Trajectory).group_id
+    finally:
+        await nc.close()
+
+
 def check_held_weights(cluster: Cluster) -> None:
     """Every version a worker generated a trained token with was reported by that worker, and every
     report matches the trainer's announced digest for its version (read from the streams, so independent
