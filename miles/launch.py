@@ -147,18 +147,37 @@ async def run_local(cfg: RunConfig, run_dir: Path, nats_url: str | None, *, quie
         children = spawn_actors(cfg, config_path, run_dir, nats_url)
         view = ProgressView(cfg, nats_url, quiet=quiet)
         try:
-            status = await _supervise(children, view)
+            status, failure = await _supervise(children, view)
         finally:
             await asyncio.to_thread(stop_children, children)
             await view.close()
     summary_path = run_dir / "summary.json"
-    if status == 0 and summary_path.exists():
-        summary = json.loads(summary_path.read_text())
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    if status == 0 and (summary is None or summary.get("status") != "complete"):
+        # The controller ended without completing the run (a stop command, a signal): say so, and fail.
+        reason = "the run ended before its last step (a stop command or a signal); see logs/controller.log"
+        summary = write_incomplete_summary(summary_path, summary, reason)
+        view.fail(reason, _tail(children[0].log_path))
+        status = 1
+    elif status != 0:
+        summary = write_incomplete_summary(summary_path, summary, failure or f"exit status {status}")
+    if status == 0 and summary is not None:
         view.print_summary(summary, run_dir)
     return status
 
 
-async def _supervise(children: list[Child], view: ProgressView) -> int:
+def write_incomplete_summary(path: Path, summary: dict | None, reason: str) -> dict:
+    """summary.json for a run that did not complete: what the controller wrote (if anything), marked so."""
+    from miles.actors.run_record import write_json_atomically
+
+    out = dict(summary or {})
+    out.update(status="incomplete", reason=reason)
+    write_json_atomically(path, out)
+    return out
+
+
+async def _supervise(children: list[Child], view: ProgressView) -> tuple[int, str | None]:
+    """Until the controller exits: ``(0, None)``, or ``(1, reason)`` when any actor failed first."""
     controller = children[0]
     await view.start()
     while True:
@@ -166,11 +185,13 @@ async def _supervise(children: list[Child], view: ProgressView) -> int:
         await view.refresh()
         if controller.proc.poll() is not None:
             if controller.proc.returncode == 0:
-                return 0
-            view.fail(f"controller exited with status {controller.proc.returncode}", _tail(controller.log_path))
-            return 1
+                return 0, None
+            reason = f"controller exited with status {controller.proc.returncode}"
+            view.fail(reason, _tail(controller.log_path))
+            return 1, reason
         for c in children[1:]:
             code = c.proc.poll()
             if code is not None and code != 0:
-                view.fail(f"{c.name} exited with status {code} (log: {c.log_path})", _tail(c.log_path))
-                return 1
+                reason = f"{c.name} exited with status {code} (log: {c.log_path})"
+                view.fail(reason, _tail(c.log_path))
+                return 1, reason

@@ -35,7 +35,7 @@ def _dumps(data: Any, **kw: Any) -> str:
     return json.dumps(finite(data), allow_nan=False, **kw)
 
 
-def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json_atomically(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "w") as f:
         f.write(_dumps(data, indent=2, sort_keys=False))
@@ -153,5 +153,5 @@ class RunRecord:
             "weights_mismatches": 0,
             **fields,
         }
-        _atomic_write_json(self.summary_path, summary)
+        write_json_atomically(self.summary_path, summary)
         return summary

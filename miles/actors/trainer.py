@@ -28,7 +28,6 @@ from miles.actors.base import Actor, keep_in_progress
 from miles.actors.trainer_ranks import LeaderRanks
 from miles.algo.advantages import ADVANTAGES
 from miles.bus.dataplane import WeightStore
-from miles.failpoints import failpoint
 from miles.bus.schema import (
     GroupsDiscarded,
     Heartbeat,
@@ -38,6 +37,7 @@ from miles.bus.schema import (
     WeightsAnnounced,
     encode,
 )
+from miles.failpoints import failpoint
 from miles.sync.publisher import Lineage, Published, WeightPublisher, announce, delta_keep_versions
 from miles.sync.stream_export import PayloadLayout
 from miles.sync.transport.bus import BusTransport
