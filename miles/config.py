@@ -530,6 +530,24 @@ class SyncConfig(Strict):
         "anchor_every + keep_versions deltas, so every delta since the newest anchor stays fetchable).",
     )
     anchor_every: int = Field(10, ge=1, description="Delta mode: publish a full anchor every this many versions.")
+    transport: Literal["bus", "fs", "broadcast"] = Field(
+        "bus",
+        description="How full-mode payloads reach the workers (the announcement, digests and audit are the same "
+        "for all): 'bus' (the JetStream data plane), 'fs' (a directory every trainer and worker host sees: "
+        "sync.fs_dir), 'broadcast' (a torch.distributed weight-update group of the trainer and the workers, "
+        "falling back to the bus for good if a member dies). docs/weight-sync.md",
+    )
+    fs_dir: str | None = Field(
+        None, description="transport 'fs': the shared directory (None: <run dir>/weights-fs, fine on one machine)."
+    )
+    broadcast_addr: str = Field("127.0.0.1", description="transport 'broadcast': the trainer leader's address.")
+    broadcast_port: int = Field(
+        0, ge=0, le=65535, description="transport 'broadcast': rendezvous port (0: `miles run` picks a free one)."
+    )
+    broadcast_bucket_mb: int = Field(64, ge=1, description="transport 'broadcast': bytes per broadcast, in MiB.")
+    broadcast_timeout_s: float = Field(
+        120.0, gt=0, description="transport 'broadcast': the group's rendezvous and collective timeout."
+    )
 
 
 class BusConfig(Strict):
@@ -584,6 +602,8 @@ class RunConfig(Strict):
             )
         if self.sync.mode == "lora" and self.trainer.lora is None:
             raise ValueError("sync.mode 'lora' needs trainer.lora (the adapter to train and sync)")
+        if self.sync.transport != "bus" and self.sync.mode != "full":
+            raise ValueError(f"sync.transport {self.sync.transport!r} carries full payloads: it needs sync.mode 'full'")
         if self.trainer.lora is not None and self.sync.dtype in ("fp8_e4m3", "fp4_e2m1"):
             raise ValueError(f"sync.dtype {self.sync.dtype!r} is not supported with trainer.lora (adapters are bf16)")
         return self

@@ -82,7 +82,8 @@ def spawn_actors(cfg: RunConfig, config_path: Path, run_dir: Path, nats_url: str
         )
     ]
     for i in range(cfg.rollout.workers):
-        cmd = node_command("rollout", config_path, run_dir, nats_url, "--actor-id", f"rollout-{i}")
+        rank = ["--weight-group-rank", str(i + 1)] if cfg.sync.transport == "broadcast" else []
+        cmd = node_command("rollout", config_path, run_dir, nats_url, "--actor-id", f"rollout-{i}", *rank)
         children.append(_spawn(f"rollout-{i}", cmd, run_dir))
     port = free_port()
     for rank in range(cfg.trainer.ranks):
@@ -129,6 +130,8 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 def prepare_run_dir(cfg: RunConfig, run_dir: Path) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.sync.transport == "broadcast" and cfg.sync.broadcast_port == 0:
+        cfg.sync.broadcast_port = free_port()  # every actor reads this config: one rendezvous port for all
     config_path = run_dir / "config.yaml"
     config_path.write_text(dump_config(cfg))
     return config_path

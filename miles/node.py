@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)), help="Trainer ranks.")
     p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"), help="Rank-0 address.")
     p.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", 29500)), help="Rank-0 port.")
+    p.add_argument(
+        "--weight-group-rank",
+        type=int,
+        default=None,
+        help="rollout, with sync.transport broadcast: this worker's rank in the weight-update group (1..workers).",
+    )
     p.add_argument("--json", action="store_true", help="monitor: print JSON snapshots instead of a live view.")
     p.add_argument("--once", action="store_true", help="monitor: print one snapshot and exit.")
     p.add_argument(
@@ -135,7 +141,7 @@ def _build_actor(cfg: RunConfig, args: argparse.Namespace, bus: Bus, run_dir: Pa
         from miles.actors.rollout import RolloutWorker
 
         _limit_threads(cfg.rollout.engine.threads if cfg.rollout.engine.type == "torch" else None)
-        return RolloutWorker(cfg, bus, run_dir)
+        return RolloutWorker(cfg, bus, run_dir, weight_group_rank=args.weight_group_rank)
     if args.role == "monitor":
         from miles.actors.monitor import Monitor
 

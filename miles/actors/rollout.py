@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 
 from miles.actors.base import Actor, keep_in_progress
 from miles.actors.rollout_stats import RolloutStats
+from miles.bus.client import KEY_TRAINER_VERSION
 from miles.bus.dataplane import WeightStore
 from miles.bus.schema import EvalShardResult, EvalTask, Heartbeat, PromptGroup, Trajectory, WeightsHeld
 from miles.engines.base import SamplingParams, StagingEngine
@@ -36,6 +37,9 @@ from miles.sync.engine_weights import EngineWeights
 from miles.sync.follower import WeightFollower
 from miles.sync.lora import lora_scale
 from miles.sync.publisher import delta_keep_versions
+from miles.sync.transport.base import TransportBroken
+from miles.sync.transport.broadcast import BroadcastReceiver, WeightUpdateGroup
+from miles.sync.transport.fs import FsTransport, fs_root
 from miles.tasks.base import Sample, Task
 
 
@@ -45,8 +49,9 @@ class RolloutWorker(Actor):
     engine: StagingEngine
     follower: WeightFollower
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, weight_group_rank: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.weight_group_rank = weight_group_rank  # sync.transport 'broadcast': this worker's rank in the group
         self.stats = RolloutStats()
         self._reported_version = -1  # newest version announced to the controller as held (WeightsHeld)
 
@@ -93,7 +98,15 @@ class RolloutWorker(Actor):
                 kind="delta",
             )
         self.engine, decoder = self._weight_path(engine, model_dir)
-        self.follower = WeightFollower(self.bus, store, self.engine, delta_store=delta_store, decoder=decoder)
+        fs = (
+            FsTransport(fs_root(cfg, self.run_dir), keep_versions=cfg.sync.keep_versions)
+            if cfg.sync.transport == "fs"
+            else None
+        )
+        receiver = await self._join_weight_group() if cfg.sync.transport == "broadcast" else None
+        self.follower = WeightFollower(
+            self.bus, store, self.engine, delta_store=delta_store, decoder=decoder, fs=fs, receiver=receiver
+        )
         sampling = cfg.rollout.sampling
         params = SamplingParams(
             max_new_tokens=sampling.max_new_tokens,
@@ -111,6 +124,8 @@ class RolloutWorker(Actor):
         )
         await self.engine.start()
         try:
+            if receiver is not None:
+                await receiver.start()
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.follower.run(self.stopping), name="rollout.weights")
                 tg.create_task(self._report_held_versions(), name="rollout.weights_held")
@@ -118,6 +133,30 @@ class RolloutWorker(Actor):
                 tg.create_task(self._eval_loop(task, renderer, params, limits), name="rollout.evals")
         finally:
             await self.engine.close()
+            if receiver is not None:
+                with contextlib.suppress(TransportBroken):  # reported when it happened; the bus took over
+                    await receiver.stop()
+
+    async def _join_weight_group(self) -> BroadcastReceiver | None:
+        """Join the trainer's weight-update group, at the run's first start only (a group forms once: a worker
+        that starts later, or again, takes its weights from the bus)."""
+        sync = self.cfg.sync
+        if await self.bus.get_bytes(KEY_TRAINER_VERSION) is not None:
+            self.log.warning("weight_group_not_joined", reason="the run already published weights: using the bus")
+            return None
+        if self.weight_group_rank is None:
+            raise ValueError("sync.transport 'broadcast' needs this worker's --weight-group-rank (1..rollout.workers)")
+        group = await asyncio.to_thread(
+            WeightUpdateGroup.join,
+            sync.broadcast_addr,
+            sync.broadcast_port,
+            self.weight_group_rank,
+            1 + self.cfg.rollout.workers,
+            name=f"{self.cfg.name}_weights",
+            backend="gloo",
+            timeout_s=sync.broadcast_timeout_s,
+        )
+        return BroadcastReceiver(group)
 
     def _weight_path(self, engine: Any, model_dir: Any) -> tuple[StagingEngine, EngineWeights]:
         """The engine the follower stages into, and how published states become its weights.

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +41,10 @@ from miles.bus.schema import (
 from miles.failpoints import failpoint
 from miles.sync.publisher import Lineage, Published, WeightPublisher, announce, delta_keep_versions
 from miles.sync.stream_export import PayloadLayout
+from miles.sync.transport import FallbackTransport, WeightTransport
+from miles.sync.transport.broadcast import BroadcastTransport, WeightUpdateGroup
 from miles.sync.transport.bus import BusTransport
+from miles.sync.transport.fs import FsTransport, fs_root
 from miles.training.batch import build_batch
 from miles.training.lineage import IndexSet, VersionLineage
 from miles.training.recovery import fetch_batch, plan_recovery, read_history
@@ -116,6 +120,7 @@ class TrainerLeader(Actor):
                 keep_versions=delta_keep_versions(cfg.sync.keep_versions, cfg.sync.anchor_every),
                 kind="delta",
             )
+        self.transport: WeightTransport = BusTransport(self.store)
         # Keeps the last published state in memory (delta mode): after a restart the first publish is a full anchor.
         self.publisher = WeightPublisher(
             self.bus,
@@ -139,6 +144,7 @@ class TrainerLeader(Actor):
             self._last_checkpoint_step = checkpoint_step
         history = await read_history(self.bus, self.events_seq)
         plan = plan_recovery(checkpoint_version, checkpoint_step, history)
+        self.transport = await self._make_transport(first_start=extra is None and history.max_version < 0)
         for index in history.discarded:
             self.resolved.add(index)
         self.lineage.supersede(plan.lost, fork_step=checkpoint_step)
@@ -296,11 +302,11 @@ class TrainerLeader(Actor):
     async def _stream(self, version: int, lineage: Lineage) -> Published:
         precision = self.cfg.sync.dtype
         layout = PayloadLayout.plan(self.ranks.worker.backend.export_specs(), precision, version)
-        out = await BusTransport(self.store).publish(
-            layout, lambda: self.ranks.export_stream(False), run=self.ranks.run
-        )
+        out = await self.transport.publish(layout, lambda: self.ranks.export_stream(False), run=self.ranks.run)
         announcement = WeightsAnnounced(
             **out.announcement_fields(),
+            transport=out.transport,
+            location=Path(out.location).name if out.transport == "fs" else out.location,
             step=lineage.step,
             consumed=list(lineage.consumed),
             replayed=lineage.replayed,
@@ -323,6 +329,30 @@ class TrainerLeader(Actor):
             return await asyncio.to_thread(to_rollout_state, state, sync.dtype)
         dtype = getattr(torch, "bfloat16" if is_quantized(sync.dtype) else sync.dtype)
         return {name: t.to(dtype) for name, t in state.items()}
+
+    async def _make_transport(self, *, first_start: bool) -> WeightTransport:
+        """The full-mode payload transport of ``sync.transport``. A weight-update group forms once, at the run's
+        first start (every worker joins then); a restarted trainer cannot re-form it with running workers and
+        uses the bus."""
+        sync, bus = self.cfg.sync, BusTransport(self.store)
+        if sync.transport == "fs":
+            return FsTransport(fs_root(self.cfg, self.run_dir), keep_versions=sync.keep_versions)
+        if sync.transport != "broadcast":
+            return bus
+        if not first_start:
+            self.log.warning("weight_group_not_reformed", reason="trainer restart: weights go over the bus")
+            return bus
+        group = await asyncio.to_thread(
+            WeightUpdateGroup.join,
+            sync.broadcast_addr,
+            sync.broadcast_port,
+            0,
+            1 + self.cfg.rollout.workers,
+            name=f"{self.cfg.name}_weights",
+            backend="nccl" if getattr(self.cfg.trainer.backend, "device", "cpu").startswith("cuda") else "gloo",
+            timeout_s=sync.broadcast_timeout_s,
+        )
+        return FallbackTransport(BroadcastTransport(group, bucket_bytes=sync.broadcast_bucket_mb * 2**20), bus)
 
     def _checkpoint_extra(self) -> dict[str, Any]:
         return {

@@ -262,6 +262,13 @@ class WeightsAnnounced(Message):
     precision: str = Field(
         "bfloat16", description="Rollout precision (sync.dtype): bfloat16, float32, fp8_e4m3 or fp4_e2m1."
     )
+    transport: Literal["bus", "fs", "broadcast"] = Field(
+        "bus",
+        description="Where the payload is: 'bus' (the data plane streams), 'fs' (the directory 'location' under "
+        "the run's shared weights directory), 'broadcast' (already received by the weight-update group "
+        "'location'; readers outside the group wait for a bus announcement of a newer version).",
+    )
+    location: str = Field("", description="fs: the version's directory name; broadcast: the group's name.")
 
     @model_validator(mode="after")
     def _check_mode(self) -> WeightsAnnounced:

@@ -46,6 +46,9 @@ from miles.sync.delta import DeltaError, apply_state_delta
 from miles.sync.engine_weights import EngineWeights
 from miles.sync.payload import deserialize_state
 from miles.sync.precision import state_digest
+from miles.sync.transport.base import TransportBroken
+from miles.sync.transport.broadcast import BroadcastReceiver
+from miles.sync.transport.fs import FsTransport
 
 log = structlog.get_logger(__name__)
 
@@ -70,10 +73,14 @@ class WeightFollower:
         *,
         delta_store: WeightStore | None = None,
         decoder: EngineWeights | None = None,
+        fs: FsTransport | None = None,
+        receiver: BroadcastReceiver | None = None,
     ) -> None:
         self.bus = bus
         self.store = store
         self.engine = engine
+        self.fs = fs  # sync.transport 'fs': the shared weights directory
+        self.receiver = receiver  # sync.transport 'broadcast': this worker's member of the weight-update group
         # Published state -> engine weights (dequantize FP8/FP4, merge a LoRA adapter onto the frozen base).
         self.decoder = decoder or EngineWeights(dict)
         # Delta key space: given in delta mode; a reader is made on the first delta announcement otherwise.
@@ -148,7 +155,7 @@ class WeightFollower:
                 except asyncio.TimeoutError:
                     continue
                 ann = await self.bus.decode_or_dead_letter(msg, WeightsAnnounced)
-                if ann is None or (self.latest is not None and ann.version <= self.latest.version):
+                if ann is None or not self._is_news(ann):
                     continue
                 self.latest = ann
                 async with self._changed:
@@ -251,6 +258,29 @@ class WeightFollower:
         self._keep_base = True
         return self.delta_store
 
+    def _is_news(self, ann: WeightsAnnounced) -> bool:
+        """A newer version, or the same version again over another transport (a broadcast group broke and the
+        trainer re-sent it over the bus): both are worth fetching."""
+        latest = self.latest
+        if latest is None or ann.version > latest.version:
+            return True
+        return ann.version == latest.version and ann.transport != latest.transport and self.held_version < ann.version
+
+    async def _full_payload(self, ann: WeightsAnnounced, check_digest: bool) -> memoryview:
+        """A full payload from wherever its announcement says it is (docs/weight-sync.md, transports)."""
+        digest = ann.digest if check_digest else None
+        if ann.transport == "fs" and self.fs is not None:
+            payload = await self.fs.fetch(ann.version, ann.digest)
+        elif ann.transport == "broadcast":
+            if self.receiver is None:
+                raise PayloadMissing(f"weights v{ann.version} went to a weight-update group this worker is not in")
+            payload = await self.receiver.fetch(ann.version, ann.digest)
+        else:
+            return await self._get(self.store, ann.version, digest)
+        self._bytes += payload.nbytes
+        self.fetched_bytes += payload.nbytes
+        return payload
+
     async def _get(self, store: WeightStore, version: int, expected_digest: str | None = None) -> memoryview:
         payload = await store.get(version, expected_digest=expected_digest)
         self._bytes += payload.nbytes
@@ -331,14 +361,16 @@ class WeightFollower:
         checksum_attempts, transport_attempts = 0, 0
         while checksum_attempts < 2 and transport_attempts < 5:
             try:
-                payload = await self._get(self.store, ann.version, ann.digest if check_digest else None)
+                payload = await self._full_payload(ann, check_digest)
             except ChecksumMismatch as exc:
                 checksum_attempts += 1
                 self.checksum_failures += 1
                 log.error("weights_checksum_failed", version=ann.version, attempt=checksum_attempts, error=str(exc))
                 continue
-            except PayloadMissing:
-                log.warning("weights_payload_missing", version=ann.version)  # purged: a newer one is announced
+            except (PayloadMissing, TransportBroken) as exc:
+                # Purged (a newer one is announced), or sent to a broken weight-update group (the trainer
+                # re-sends it over the bus): nothing to retry here.
+                log.warning("weights_payload_missing", version=ann.version, error=str(exc))
                 return None
             except BusError as exc:  # connection trouble is transient: back off and try again
                 transport_attempts += 1

@@ -23,7 +23,7 @@ import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import structlog
 
@@ -155,3 +155,8 @@ class FsTransport:
         if actual != expected or actual != manifest.get("digest"):
             raise ChecksumMismatch(f"weights v{version} in {directory} hash to {actual}, announced {expected}")
         return buf
+
+
+def fs_root(cfg: Any, run_dir: Path) -> Path:
+    """The shared weights directory of a run: ``sync.fs_dir``, or ``<run dir>/weights-fs`` (one machine)."""
+    return Path(cfg.sync.fs_dir).expanduser() if cfg.sync.fs_dir else Path(run_dir) / "weights-fs"
