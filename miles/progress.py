@@ -1,6 +1,9 @@
 """Terminal progress of a ``miles run``: a live bar on a terminal, one line per step otherwise.
 
 It reads the run's METRICS stream like any other observer; nothing here is needed by the actors.
+Each step shows reward, staleness and throughput, plus turns per episode and completion length when the
+task is multi-turn (an agent's episodes are what goes wrong first); each evaluation is printed as it
+arrives, with the step it measured.
 """
 
 from __future__ import annotations
@@ -11,11 +14,46 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import nats.errors
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from miles.bus.schema import EvalResult, SchemaError, StepMetrics, decode_any
 from miles.config import RunConfig
+
+
+def is_multi_turn(cfg: RunConfig) -> bool:
+    """Whether episodes can have several model turns (terminal tasks, or ``rollout.episode.max_turns > 1``)."""
+    return cfg.rollout.episode.max_turns > 1 or cfg.task.type == "terminal"
+
+
+def step_info(message: StepMetrics, *, multi_turn: bool, last_eval: float | None) -> str:
+    """The one-line summary of a step: reward, staleness, throughput, and for agents turns and lengths."""
+    m = message.metrics
+    lag_max = max(message.staleness, default=0)
+    lag_mean = sum(message.staleness) / max(1, len(message.staleness))
+    info = f"reward {m.get('reward_mean', 0):.3f} | staleness {lag_mean:.2f} (max {lag_max})"
+    if multi_turn:
+        info += (
+            f" | turns {m.get('turns_mean', 0):.1f} | len {m.get('length_mean', 0):.0f}"
+            f" (p90 {m.get('length_p90', 0):.0f}, max {m.get('length_max', 0):.0f})"
+        )
+        excluded = m.get("infra_excluded", 0) + m.get("reward_failed", 0)
+        if excluded:
+            info += f" | excluded {excluded:.0f}"
+    info += f" | {m.get('tokens_per_s', 0):.0f} tok/s | {m.get('step_s', 0):.2f} s/step"
+    if last_eval is not None:
+        info += f" | eval {last_eval:.3f}"
+    return info
+
+
+def eval_line(message: EvalResult, step: int | None) -> str:
+    """An evaluation as it arrives: the step it measured (None: unknown), accuracy, samples and failures."""
+    where = f"step {step}" if step is not None else f"version {message.policy_version}"
+    line = f"eval  {where}: accuracy {message.accuracy:.3f} on {message.samples} samples"
+    if message.failed:
+        line += f" ({message.failed} failed)"
+    return line
 
 
 class ProgressView:
@@ -30,6 +68,8 @@ class ProgressView:
         self._progress: Progress | None = None
         self._task: Any = None
         self.last_eval: float | None = None
+        self.multi_turn = is_multi_turn(cfg)
+        self._version_steps: dict[int, int] = {}  # from step reports: step s publishes the version of step s + 1
         self._print_every = max(1, cfg.trainer.steps // 20)  # plain (non-terminal) output: ~20 lines
 
     async def start(self) -> None:
@@ -49,7 +89,7 @@ class ProgressView:
             try:
                 self._sub = await js.subscribe(subjects.metrics_all, ordered_consumer=True)
                 break
-            except Exception:
+            except nats.errors.Error:  # no stream for the subject yet
                 await asyncio.sleep(0.2)
         if self.live:
             self._progress = Progress(
@@ -70,28 +110,34 @@ class ProgressView:
         while True:
             try:
                 msg = await self._sub.next_msg(timeout=0.01)
-            except (asyncio.TimeoutError, Exception):
+            except (asyncio.TimeoutError, nats.errors.Error):  # nothing new, or the bus went away with the run
                 return
             with contextlib.suppress(SchemaError):
                 self._show(decode_any(msg.data))
 
     def _show(self, message: Any) -> None:
         if isinstance(message, EvalResult):
-            self.last_eval = message.accuracy
-            if not self.live:
-                self.console.print(f"eval  version {message.policy_version}: accuracy {message.accuracy:.3f}")
+            self._show_eval(message)
+        elif isinstance(message, StepMetrics):
+            self._show_step(message)
+
+    def _eval_step(self, message: EvalResult) -> int | None:
+        version = message.requested_version if message.requested_version >= 0 else message.policy_version
+        if version in self._version_steps:
+            return self._version_steps[version]
+        return 0 if not self._version_steps else None  # before any step report: the initial policy
+
+    def _show_eval(self, message: EvalResult) -> None:
+        self.last_eval = message.accuracy
+        if self.quiet:
             return
-        if not isinstance(message, StepMetrics):
-            return
-        m = message.metrics
-        lag_max = max(message.staleness, default=0)
-        lag_mean = sum(message.staleness) / max(1, len(message.staleness))
-        info = (
-            f"reward {m.get('reward_mean', 0):.3f} | staleness {lag_mean:.2f} (max {lag_max}) | "
-            f"{m.get('tokens_per_s', 0):.0f} tok/s | {m.get('step_s', 0):.2f} s/step"
-        )
-        if self.last_eval is not None:
-            info += f" | eval {self.last_eval:.3f}"
+        self.console.print(eval_line(message, self._eval_step(message)))  # above the bar when it is live
+
+    def _show_step(self, message: StepMetrics) -> None:
+        self._version_steps[message.policy_version] = message.step + 1
+        if message.metrics.get("turns_mean", 0.0) > 1.0:
+            self.multi_turn = True  # a task whose episodes turn out to have several turns
+        info = step_info(message, multi_turn=self.multi_turn, last_eval=self.last_eval)
         if self._progress is not None:
             self._progress.update(self._task, completed=message.step + 1, info=info)
         elif not self.quiet and (message.step + 1) % self._print_every == 0:
@@ -117,7 +163,10 @@ class ProgressView:
         )
         parts = [f"{k}={summary.get(k)!r}" for k in keys]
         print("summary: " + " ".join(parts), file=sys.stderr)
-        print(f"run directory: {run_dir} (metrics.jsonl, summary.json, logs/)", file=sys.stderr)
+        print(
+            f"run directory: {run_dir} (metrics.jsonl, evals.jsonl, summary.json, plots, logs/)",
+            file=sys.stderr,
+        )
 
     def _stop_bar(self) -> None:
         if self._progress is not None:
@@ -128,5 +177,5 @@ class ProgressView:
         await self.refresh()
         self._stop_bar()
         if self._nc is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(nats.errors.Error):
                 await self._nc.close()

@@ -3,22 +3,33 @@
 ``miles top -c recipe.yaml --nats-url URL`` (or ``miles-node --role monitor``) redraws in place
 every ``monitor.refresh_s``; ``--json`` prints one JSON snapshot per refresh instead, and
 ``--json --once`` prints a single snapshot (after about 2.5 heartbeat periods, once the METRICS
-stream has been replayed) and exits. ``--prometheus-port N`` (or ``monitor.prometheus_port``;
-0 = any free port, logged as ``prometheus_listening``) serves the same snapshot on ``/metrics``.
+stream and the weight announcements have been replayed) and exits. ``--prometheus-port N`` (or
+``monitor.prometheus_port``; 0 = any free port, logged as ``prometheus_listening``) serves the same
+snapshot on ``/metrics`` (:mod:`miles.monitoring.prom` lists the families).
 
-It never publishes work and never acks anything: heartbeats come over core NATS, metrics are
-replayed from the METRICS stream with an ephemeral ordered consumer, queue depths are read from
-stream and consumer info. The model is :class:`miles.monitoring.state.RunState`, the view
-:mod:`miles.monitoring.view`, the exporter :mod:`miles.monitoring.prom`.
+It never publishes work and never acks anything: heartbeats come over core NATS, metrics and weight
+announcements are replayed from the METRICS and EVENTS streams with ephemeral ordered consumers,
+queue depths are read from stream and consumer info. The model is
+:class:`miles.monitoring.state.RunState`, the view :mod:`miles.monitoring.view`.
 
-JSON snapshot fields (``--json``):
+Versions are unique ids (a trainer restart jumps them), so every lag is in lineage steps: the
+announcements' ``step`` turns a version into a step.
+
+JSON snapshot fields (``--json``; strict JSON, a non-finite metric is null):
 
 ``run``, ``time`` (unix s), ``status`` (``waiting`` | ``running`` | ``done``),
-``trainer_version`` (newest policy version: trainer heartbeat or last step), ``trainer_alive``,
-``max_staleness`` (the bound eta), ``steps_seen``;
-``workers``: ``{actor_id: {version, lag (trainer_version - version; null before the first sync),
-state, age_s (since its last heartbeat), alive, groups, tokens, tokens_per_s, groups_per_s,
-syncs, checksum_failures, last_pause_ms}}``; ``worker_lag_max`` (over live workers);
+``trainer_version`` (newest policy version), ``trainer_step`` (its lineage step; null until known),
+``trainer_alive``, ``max_staleness`` (the bound eta, in steps), ``steps_seen``;
+``workers``: ``{actor_id: {version, step (of that version), lag (trainer_step - step; null before
+the first sync), state (``engine_error`` when its engine died), age_s (since its last heartbeat),
+alive, groups, tokens, tokens_per_s, groups_per_s, syncs, checksum_failures, last_pause_ms,
+engine_error (bool), engine_load_failures (weight loads the engine refused), and its episodes since
+it started: episodes, turns_per_episode, tool_calls, parse_errors, env_s_per_episode,
+infra_errors (sandbox/verifier failures), reward_failed, truncated, output_truncated,
+commands_killed, template_mismatches, length_mean (model tokens per episode),
+end_reasons ({reason: n})}}``; ``worker_lag_max`` (over live workers);
+``rollout_episodes``: the same episode fields summed over all workers; ``engine_errors`` (ids of
+workers whose engine died); ``engine_load_failures`` (summed);
 ``staleness_histogram``: ``{"0": n, "1": n, ...}`` trained trajectories (groups) per staleness,
 every key from 0 to max(bound, largest seen); ``staleness_mean``; ``staleness_over_bound``;
 ``queues``: ``prompts_waiting`` (messages in ``<run>_PROMPTS``), ``trajectories_waiting``
@@ -28,9 +39,18 @@ counters), ``trained_trajectories_per_s``, ``trained_tokens_per_s`` (step report
 ``step_tokens_per_s`` (the last step's own figure);
 ``reward``: ``last``, ``mean_last_n``, ``trend`` (last ``monitor.reward_points`` step means),
 ``sparkline``; ``last_step``: ``{step, policy_version, age_s, staleness_mean, staleness_max, ...
-every metric of the step}``; ``discards``: ``dropped``, ``requeued``, ``duplicates`` (trainer
-heartbeat); ``controller``: ``{issued, discarded}``; ``dead_lettered`` (``<run>_DLQ`` size);
-``evals``: ``{policy_version: accuracy}``; ``eval_accuracy`` (newest);
+every metric of the step}`` (reward_mean, samples, episodes, infra_excluded, reward_failed,
+truncated, groups_without_signal, length_mean/p50/p90/max, turns_mean, tool_calls, parse_errors,
+env_s_mean, template_mismatches, the loss terms, grad_norm, lr, ...);
+``lengths``: ``last`` ``{mean, p50, p90, max}``, ``trend`` (``[{step, mean, p50, p90, max}]``,
+last ``monitor.reward_points`` steps), ``sparkline`` (of the means);
+``trained``: totals over the steps seen of samples, episodes, infra_excluded, reward_failed,
+truncated, groups_without_signal, tool_calls, parse_errors, template_mismatches;
+``discards``: ``dropped``, ``requeued``, ``duplicates`` (trainer heartbeat);
+``controller``: ``{issued, discarded}``; ``dead_lettered`` (``<run>_DLQ`` size);
+``evals``: ``{step: accuracy}`` keyed by the steps trained into the evaluated version;
+``eval_results``: ``[{step, requested_version, policy_version, accuracy, samples, failed}]``;
+``eval_accuracy`` (of the highest step);
 ``weights``: the controller's held-weight audit ``{verified, mismatches, unverifiable, pending}``
 (null before its first heartbeat; docs/weight-sync.md);
 ``prometheus_port`` (only when the endpoint is on).
@@ -44,10 +64,11 @@ import json
 import time
 from typing import Any
 
+import nats.errors
 from nats.aio.msg import Msg
 
 from miles.actors.base import Actor
-from miles.bus.schema import Heartbeat, SchemaError, decode_any
+from miles.bus.schema import Heartbeat, SchemaError, WeightsAnnounced, decode_any
 from miles.monitoring.state import RunState
 
 
@@ -76,6 +97,7 @@ class Monitor(Actor):
         )
         self.exporter: Any = None
         self._metrics_seq = 0
+        self._weights_seq = 0
 
     # ------------------------------------------------------------------ inputs
 
@@ -97,13 +119,22 @@ class Monitor(Actor):
         t = meta.timestamp.timestamp() if meta.timestamp is not None else time.time()
         self.state.absorb(message, t)
 
+    async def _on_weights(self, msg: Msg) -> None:
+        self._weights_seq = max(self._weights_seq, int(msg.metadata.sequence.stream))
+        try:
+            message = decode_any(msg.data)
+        except SchemaError:
+            return
+        if isinstance(message, WeightsAnnounced):
+            self.state.on_weights(message)
+
     async def _poll_queues(self) -> None:
         js, s = self.bus.js, self.bus.subjects
         try:
             prompts = await js.stream_info(s.prompts_stream)
             trainer = await js.consumer_info(s.traj_stream, s.TRAINER_CONSUMER)
             dlq = await js.stream_info(s.dlq_stream)
-        except Exception as exc:  # a restarting server: keep the last values
+        except nats.errors.Error as exc:  # a restarting server, a stream not created yet: keep the last values
             self.log.debug("queue_poll_failed", error=repr(exc))
             return
         self.state.set_queues(
@@ -113,8 +144,15 @@ class Monitor(Actor):
         )
 
     async def _metrics_last_seq(self) -> int:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(nats.errors.Error):
             return int((await self.bus.js.stream_info(self.bus.subjects.metrics_stream)).state.last_seq)
+        return 0
+
+    async def _weights_last_seq(self) -> int:
+        """EVENTS sequence of the newest weight announcement (0: none yet, or the stream is not there)."""
+        s = self.bus.subjects
+        with contextlib.suppress(nats.errors.Error):
+            return int((await self.bus.js.get_last_msg(s.events_stream, s.weights)).seq or 0)
         return 0
 
     # ------------------------------------------------------------------ outputs
@@ -147,12 +185,15 @@ class Monitor(Actor):
         self._start_exporter()
         hb_sub = await self.bus.nc.subscribe(self.bus.subjects.heartbeat("*", "*"), cb=self._on_heartbeat)
         replay_to = await self._metrics_last_seq()
+        weights_to = await self._weights_last_seq()
         metrics_sub = await self.bus.js.subscribe(
             self.bus.subjects.metrics_all, ordered_consumer=True, cb=self._on_metrics
         )
+        # Every announcement (not just the last): a lagging worker's version needs its step too.
+        weights_sub = await self.bus.js.subscribe(self.bus.subjects.weights, ordered_consumer=True, cb=self._on_weights)
         try:
             if self.once:
-                await self._run_once(replay_to)
+                await self._run_once(replay_to, weights_to)
             elif self.as_json:
                 while True:
                     await self._poll_queues()
@@ -162,10 +203,12 @@ class Monitor(Actor):
             else:
                 await self._run_live(refresh)
         finally:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(nats.errors.Error):
                 await hb_sub.unsubscribe()
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(nats.errors.Error):
                 await metrics_sub.unsubscribe()
+            with contextlib.suppress(nats.errors.Error):
+                await weights_sub.unsubscribe()
             if self.exporter is not None:
                 self.exporter.stop()
 
@@ -177,13 +220,14 @@ class Monitor(Actor):
             print(json.dumps(snap), flush=True)
         return snap
 
-    async def _run_once(self, replay_to: int) -> None:
-        """Collect ~2.5 heartbeat periods and the replayed metrics (at most 10 s more), then print once."""
+    async def _run_once(self, replay_to: int, weights_to: int) -> None:
+        """Collect ~2.5 heartbeat periods, the replayed metrics and announcements (at most 10 s more), print once."""
         start = time.monotonic()
         deadline = start + max(2.5 * self.cfg.bus.heartbeat_s, 1.0)
         while not self.stopping.is_set():
             now = time.monotonic()
-            if now >= deadline and (self._metrics_seq >= replay_to or now >= deadline + 10.0):
+            replayed = self._metrics_seq >= replay_to and self._weights_seq >= weights_to
+            if now >= deadline and (replayed or now >= deadline + 10.0):
                 break
             await asyncio.sleep(0.1)
         await self._poll_queues()

@@ -3,18 +3,38 @@
 No I/O here, no clock reads: every input carries its time (heartbeat ``ts``, the JetStream
 timestamp of a metrics message, the ``now`` of a snapshot), so the whole model is unit-testable
 with synthetic messages. :meth:`RunState.snapshot` is the ``--json`` document (fields listed in
-:mod:`miles.actors.monitor`) and the single input of the rich view and the Prometheus exporter.
+:mod:`miles.actors.monitor`; strict JSON: a non-finite step metric is null) and the single input of
+the rich view and the Prometheus exporter.
+
+Lags are in lineage steps, never version differences: versions are unique ids that jump past a
+trainer restart (:mod:`miles.monitoring.versions`).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles.bus.schema import EvalResult, Heartbeat, StepMetrics, TrainerDone
+from miles.bus.schema import EvalResult, Heartbeat, StepMetrics, TrainerDone, WeightsAnnounced
+from miles.monitoring.episodes import engine_flags, episode_summary, summed
+from miles.monitoring.versions import VersionSteps
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
+# Step metrics that count episodes or events of the step: summed over the steps seen into ``trained``.
+STEP_COUNTS = (
+    "samples",
+    "episodes",
+    "infra_excluded",
+    "reward_failed",
+    "truncated",
+    "groups_without_signal",
+    "tool_calls",
+    "parse_errors",
+    "template_mismatches",
+)
+LENGTH_STATS = ("mean", "p50", "p90", "max")  # of the trained completions' model tokens, per step
 
 
 def sparkline(values: list[float]) -> str:
@@ -77,7 +97,10 @@ class RunState:
     last_step_t: float | None = None
     staleness_hist: dict[int, int] = field(default_factory=dict)
     rewards: deque[tuple[int, float]] = field(default_factory=deque)
-    evals: dict[int, float] = field(default_factory=dict)
+    lengths: deque[tuple[int, dict[str, float]]] = field(default_factory=deque)
+    trained: dict[str, float] = field(default_factory=dict)
+    eval_results: dict[tuple[str, int, int], EvalResult] = field(default_factory=dict)
+    versions: VersionSteps = field(default_factory=VersionSteps)
     done: TrainerDone | None = None
     prompts_waiting: int | None = None
     trajectories_waiting: int | None = None
@@ -97,8 +120,12 @@ class RunState:
         if hb.role == "trainer":
             if self.trainer is None or hb.ts >= self.trainer.ts:
                 self.trainer = hb
+            if "step" in hb.stats:
+                self.versions.learn(hb.version, int(hb.stats["step"]))
         elif hb.role == "controller":
             self.controller = hb
+            if "trainer_step" in hb.stats:
+                self.versions.learn(hb.version, int(hb.stats["trainer_step"]))
         elif hb.role == "rollout":
             view = self.workers.get(hb.actor_id)
             if view is None:
@@ -111,6 +138,7 @@ class RunState:
 
     def on_step(self, msg: StepMetrics, t: float) -> None:
         """A step report; ``t`` is when it was published (JetStream timestamp). Re-sent steps count once."""
+        self.versions.learn(msg.policy_version, msg.step + 1)  # a replayed step's new version too
         if msg.step in self.steps_seen:
             return
         self.steps_seen.add(msg.step)
@@ -121,18 +149,28 @@ class RunState:
         if "reward_mean" in msg.metrics:
             self.rewards.append((msg.step, msg.metrics["reward_mean"]))
             self.rewards = deque(sorted(self.rewards)[-self.reward_points :])
-        if "eval_accuracy" in msg.metrics:
-            self.evals.setdefault(msg.policy_version, msg.metrics["eval_accuracy"])
+        if "length_mean" in msg.metrics:
+            point = {k: msg.metrics.get(f"length_{k}", 0.0) for k in LENGTH_STATS}
+            self.lengths.append((msg.step, point))
+            self.lengths = deque(sorted(self.lengths, key=lambda p: p[0])[-self.reward_points :])
+        for key in STEP_COUNTS:
+            if key in msg.metrics:
+                self.trained[key] = self.trained.get(key, 0.0) + msg.metrics[key]
         self._groups_total += len(msg.trained_group_ids)
         self._tokens_total += msg.metrics.get("tokens_per_s", 0.0) * msg.metrics.get("step_s", 0.0)
         self.trained_groups.add(t, self._groups_total)
         self.trained_tokens.add(t, self._tokens_total)
 
     def on_eval(self, msg: EvalResult) -> None:
-        self.evals[msg.policy_version] = msg.accuracy
+        """An evaluation; its step is resolved at snapshot time (its version's announcement may come later)."""
+        self.eval_results.setdefault((msg.eval_id, msg.requested_version, msg.policy_version), msg)
+
+    def on_weights(self, msg: WeightsAnnounced) -> None:
+        self.versions.learn(msg.version, msg.step)
 
     def on_done(self, msg: TrainerDone) -> None:
         self.done = msg
+        self.versions.learn(msg.policy_version, msg.steps)
 
     def absorb(self, message: Any, t: float) -> None:
         """Route any decoded bus message (others are ignored)."""
@@ -144,6 +182,8 @@ class RunState:
             self.on_eval(message)
         elif isinstance(message, TrainerDone):
             self.on_done(message)
+        elif isinstance(message, WeightsAnnounced):
+            self.on_weights(message)
 
     def set_queues(self, *, prompts_waiting: int, trajectories_waiting: int, dead_lettered: int) -> None:
         self.prompts_waiting = prompts_waiting
@@ -160,10 +200,56 @@ class RunState:
             candidates.append(self.last_step.policy_version)
         if self.done is not None:
             candidates.append(self.done.policy_version)
+        newest = self.versions.newest()
+        if newest is not None:
+            candidates.append(newest[0])
         # A worker can only hold published weights: its version is a lower bound too (the trainer's own
         # heartbeat and step report can trail its weight announcement by a moment).
         candidates.extend(view.heartbeat.version for view in self.workers.values())
         return max(candidates)
+
+    def trainer_step(self) -> int | None:
+        """Lineage step of the trainer's newest version (None before any version is paired with its step)."""
+        step = self.versions.step_of(self.trainer_version())
+        if step is not None:
+            return step
+        newest = self.versions.newest()
+        return newest[1] if newest is not None else None
+
+    def _worker_lag(self, version: int, trainer_step: int | None) -> tuple[int | None, int | None]:
+        """``(step, lag)`` of a worker holding ``version``; lag in steps, None when either step is unknown.
+
+        A worker still on a version superseded by a trainer restart can be 'ahead' of the new lineage: 0, not < 0.
+        """
+        step = self.versions.step_of(version) if version >= 0 else None
+        if step is None or trainer_step is None:
+            return step, None
+        return step, max(0, trainer_step - step)
+
+    def _evals(self) -> list[dict[str, Any]]:
+        """Every evaluation with the lineage step of the version it was requested for, oldest step first."""
+        out = []
+        for msg in self.eval_results.values():
+            version = msg.requested_version if msg.requested_version >= 0 else msg.policy_version
+            out.append(
+                {
+                    "step": self.versions.step_of(version),
+                    "requested_version": msg.requested_version,
+                    "policy_version": msg.policy_version,
+                    "accuracy": msg.accuracy,
+                    "samples": msg.samples,
+                    "failed": msg.failed,
+                }
+            )
+        return sorted(out, key=lambda e: (e["step"] is None, e["step"] or 0))  # stable: arrival order within a step
+
+    def _lengths(self) -> dict[str, Any]:
+        means = [point["mean"] for _, point in self.lengths]
+        return {
+            "last": {k: round(v, 2) for k, v in self.lengths[-1][1].items()} if self.lengths else None,
+            "trend": [{"step": step, **{k: round(v, 2) for k, v in point.items()}} for step, point in self.lengths],
+            "sparkline": sparkline(means),
+        }
 
     def _weights_audit(self) -> dict[str, int | None] | None:
         """The controller's audit of held vs announced weights (None before its first heartbeat)."""
@@ -184,12 +270,15 @@ class RunState:
     def snapshot(self, now: float) -> dict[str, Any]:
         """Plain-data view of the run at ``now`` (unix s): the ``--json`` document."""
         v = self.trainer_version()
+        tstep = self.trainer_step()
         workers: dict[str, Any] = {}
         for wid, view in sorted(self.workers.items()):
             hb = view.heartbeat
+            wstep, lag = self._worker_lag(hb.version, tstep)
             workers[wid] = {
                 "version": hb.version,
-                "lag": v - hb.version if hb.version >= 0 else None,
+                "step": wstep,
+                "lag": lag,
                 "state": hb.state,
                 "age_s": round(now - hb.ts, 2),
                 "alive": now - hb.ts <= self.stale_after_s,
@@ -200,6 +289,8 @@ class RunState:
                 "syncs": int(hb.stats.get("syncs", 0)),
                 "checksum_failures": int(hb.stats.get("checksum_failures", 0)),
                 "last_pause_ms": round(hb.stats.get("last_pause_ms", 0.0), 1),
+                **engine_flags(hb.state, hb.stats),
+                **episode_summary(hb.stats),
             }
         lags = [w["lag"] for w in workers.values() if w["lag"] is not None and w["alive"]]
         tstats = self.trainer.stats if self.trainer is not None else {}
@@ -212,19 +303,23 @@ class RunState:
                 "age_s": round(now - self.last_step_t, 2) if self.last_step_t is not None else None,
                 "staleness_mean": round(sum(step.staleness) / len(step.staleness), 3) if step.staleness else 0.0,
                 "staleness_max": max(step.staleness, default=0),
-                **{k: round(val, 6) for k, val in step.metrics.items()},
+                **{k: round(val, 6) if math.isfinite(val) else None for k, val in step.metrics.items()},
             }
         hist_top = max([self.max_staleness, *self.staleness_hist])
         histogram = {str(k): self.staleness_hist.get(k, 0) for k in range(hist_top + 1)}
         trained = sum(self.staleness_hist.values())
         staleness_sum = sum(k * n for k, n in self.staleness_hist.items())
         rewards = [r for _, r in self.rewards]
-        evals = dict(sorted(self.evals.items()))
+        eval_results = self._evals()
+        evals = {e["step"]: e["accuracy"] for e in reversed(eval_results) if e["step"] is not None}  # first wins
+        evals = dict(sorted(evals.items()))
+        rollout = episode_summary(summed(view.heartbeat.stats for view in self.workers.values()))
         return {
             "run": self.run,
             "time": round(now, 3),
             "status": "done" if self.done is not None else ("running" if self.trainer or self.workers else "waiting"),
             "trainer_version": v,
+            "trainer_step": tstep,
             "trainer_alive": self.trainer is not None and now - self.trainer.ts <= self.stale_after_s,
             "max_staleness": self.max_staleness,
             "steps_seen": len(self.steps_seen),
@@ -252,6 +347,11 @@ class RunState:
                 "sparkline": sparkline(rewards),
             },
             "last_step": last_step,
+            "lengths": self._lengths(),
+            "trained": {k: int(self.trained.get(k, 0.0)) for k in STEP_COUNTS},
+            "rollout_episodes": rollout,
+            "engine_errors": [wid for wid, w in workers.items() if w["engine_error"]],
+            "engine_load_failures": sum(w["engine_load_failures"] for w in workers.values()),
             "discards": {
                 "dropped": int(tstats.get("dropped", 0)),
                 "requeued": int(tstats.get("requeued", 0)),
@@ -266,5 +366,6 @@ class RunState:
             "weights": self._weights_audit(),
             "dead_lettered": self.dead_lettered,
             "evals": {str(k): a for k, a in evals.items()},
+            "eval_results": eval_results,
             "eval_accuracy": evals[max(evals)] if evals else None,
         }

@@ -1,4 +1,8 @@
-"""Rich rendering of a monitor snapshot (the dict of :meth:`miles.monitoring.state.RunState.snapshot`)."""
+"""Rich rendering of a monitor snapshot (the dict of :meth:`miles.monitoring.state.RunState.snapshot`).
+
+Anything that means the run is broken rather than slow (a dead engine, failed weight loads, weights that
+differ from the trainer's, trajectories past the staleness bound) is red, so it stands out of a busy screen.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ def _header(snap: dict[str, Any]) -> Text:
     step = snap["last_step"]
     text = Text()
     text.append(f"miles run {snap['run']}", style="bold")
-    text.append(f"  [{snap['status']}]  trainer version {snap['trainer_version']}")
+    text.append(f"  [{snap['status']}]  trainer version {snap['trainer_version']} (step {_fmt(snap['trainer_step'])})")
     if not snap["trainer_alive"] and snap["status"] != "done":
         text.append(" (no trainer heartbeat)", style="red")
     text.append(f"  max staleness {snap['max_staleness']}  steps seen {snap['steps_seen']}")
@@ -28,29 +32,90 @@ def _header(snap: dict[str, Any]) -> Text:
     weights = snap.get("weights")
     if weights is not None and weights["mismatches"]:  # a worker rolls out with weights the trainer never published
         text.append(f"  WEIGHT MISMATCH x{weights['mismatches']}", style="bold red")
+    if snap["engine_errors"]:
+        text.append(f"  ENGINE ERROR: {', '.join(snap['engine_errors'])}", style="bold red")
+    if snap["engine_load_failures"]:
+        text.append(f"  weight loads failed x{snap['engine_load_failures']}", style="bold red")
     return text
 
 
 def _workers(snap: dict[str, Any]) -> Table:
-    table = Table(title="rollout workers", title_justify="left", expand=False)
-    for col in ("worker", "version", "lag", "groups", "tokens", "tok/s", "syncs", "last seen"):
-        table.add_column(col, justify="left" if col == "worker" else "right")
+    table = Table(title="rollout workers (lag in steps)", title_justify="left", expand=False)
+    columns = ("worker", "state", "version", "step", "lag", "groups", "tokens", "tok/s", "syncs", "loads failed")
+    for col in (*columns, "last seen"):
+        table.add_column(col, justify="left" if col in ("worker", "state") else "right")
     bound = snap["max_staleness"]
     for wid, w in snap["workers"].items():
         lag = w["lag"]
-        lag_style = "red" if lag is not None and lag > bound else ""
         table.add_row(
             wid,
+            Text(w["state"], style="bold red" if w["engine_error"] else ""),
             str(w["version"]),
-            Text(_fmt(lag), style=lag_style),
+            _fmt(w["step"]),
+            Text(_fmt(lag), style="red" if lag is not None and lag > bound else ""),
             str(w["groups"]),
             str(w["tokens"]),
             f"{w['tokens_per_s']:.0f}",
             str(w["syncs"]),
+            Text(str(w["engine_load_failures"]), style="bold red" if w["engine_load_failures"] else ""),
             Text(f"{w['age_s']:.1f}s ago", style="" if w["alive"] else "red"),
         )
     if not snap["workers"]:
-        table.add_row("(no worker heartbeats yet)", "", "", "", "", "", "", "")
+        table.add_row("(no worker heartbeats yet)", *[""] * len(columns))
+    return table
+
+
+def _end_reasons(reasons: dict[str, int]) -> str:
+    return " ".join(f"{reason}:{n}" for reason, n in reasons.items()) or "-"
+
+
+def _episode_cells(e: dict[str, Any]) -> list[str | Text]:
+    def warn(n: int) -> Text:
+        return Text(str(n), style="yellow" if n else "")
+
+    return [
+        str(e["episodes"]),
+        _fmt(e["turns_per_episode"], ".2f"),
+        str(e["tool_calls"]),
+        warn(e["parse_errors"]),
+        _fmt(e["env_s_per_episode"], ".2f"),
+        warn(e["infra_errors"]),
+        warn(e["reward_failed"]),
+        str(e["truncated"]),
+        _fmt(e["length_mean"], ".1f"),
+        _end_reasons(e["end_reasons"]),
+    ]
+
+
+def _episodes(snap: dict[str, Any]) -> Table:
+    """Per worker, what its episodes did (totals since the worker started), and all workers together.
+
+    ``infra err`` are sandbox or verifier failures (excluded from training), ``rew failed`` episodes whose
+    reward raised, ``trunc`` those whose last turn hit max_new_tokens, ``len`` model tokens per episode."""
+    table = Table(title="episodes by worker", title_justify="left", expand=False)
+    columns = (
+        "worker",
+        "episodes",
+        "turns/ep",
+        "tools",
+        "parse err",
+        "env s/ep",
+        "infra err",
+        "rew failed",
+        "trunc",
+        "len",
+        "end reasons",
+    )
+    for col in columns[:-1]:  # numbers never wrap; the end reasons give way on a narrow terminal
+        table.add_column(col, justify="left" if col == "worker" else "right", no_wrap=True)
+    table.add_column(columns[-1])
+    workers = snap["workers"]
+    for i, (wid, w) in enumerate(workers.items()):
+        table.add_row(wid, *_episode_cells(w), end_section=len(workers) > 1 and i == len(workers) - 1)
+    if len(workers) > 1:
+        table.add_row(Text("all", style="bold"), *_episode_cells(snap["rollout_episodes"]))
+    if not workers:
+        table.add_row("(no worker heartbeats yet)", *[""] * (len(columns) - 1))
     return table
 
 
@@ -109,6 +174,43 @@ def _flow(snap: dict[str, Any]) -> Table:
     return table
 
 
+def _step(snap: dict[str, Any]) -> Table:
+    """The last step's episode figures next to their totals over every step seen."""
+    step, total = snap["last_step"] or {}, snap["trained"]
+    table = Table(title="trained episodes", title_justify="left", show_edge=False, box=None)
+    table.add_column("")
+    table.add_column(f"step {step['step']}" if step else "last step", justify="right")
+    table.add_column("all steps", justify="right")
+
+    def count(key: str) -> tuple[str, str]:
+        return _fmt(step.get(key), ".0f"), str(total.get(key, 0))
+
+    for what, key in (
+        ("samples trained / episodes", None),
+        ("infra-excluded (sandbox failures)", "infra_excluded"),
+        ("reward failed", "reward_failed"),
+        ("truncated", "truncated"),
+        ("groups without signal", "groups_without_signal"),
+        ("tool calls", "tool_calls"),
+        ("parse errors", "parse_errors"),
+        ("template mismatches", "template_mismatches"),
+    ):
+        if key is None:
+            last = f"{_fmt(step.get('samples'), '.0f')} / {_fmt(step.get('episodes'), '.0f')}"
+            table.add_row(what, last, f"{total.get('samples', 0)} / {total.get('episodes', 0)}")
+        else:
+            table.add_row(what, *count(key))
+    table.add_row("turns / episode", _fmt(step.get("turns_mean"), ".2f"), "")
+    table.add_row("env s / episode", _fmt(step.get("env_s_mean"), ".2f"), "")
+    lengths = snap["lengths"]["last"]
+    table.add_row(
+        "length mean / p50 / p90 / max",
+        " / ".join(f"{lengths[k]:.0f}" for k in ("mean", "p50", "p90", "max")) if lengths else "-",
+        "",
+    )
+    return table
+
+
 def _trend(snap: dict[str, Any]) -> Text:
     reward = snap["reward"]
     text = Text()
@@ -119,16 +221,30 @@ def _trend(snap: dict[str, Any]) -> Text:
         text.append(f"  last {reward['last']:.3f}  mean {reward['mean_last_n']:.3f}")
     else:
         text.append("-")
-    evals = snap["evals"]
+    lengths = snap["lengths"]
+    text.append("\nlength mean ", style="bold")
+    if lengths["trend"]:
+        text.append(lengths["sparkline"], style="cyan")
+        last = lengths["last"]
+        text.append(f"  last mean {last['mean']:.1f}  p90 {last['p90']:.0f}  max {last['max']:.0f}")
+    else:
+        text.append("-")
+    evals = snap["eval_results"]
     text.append("\neval accuracy ", style="bold")
-    text.append("  ".join(f"v{k}: {a:.3f}" for k, a in evals.items()) if evals else "-")
+    shown = [
+        f"step {_fmt(e['step'])}: {e['accuracy']:.3f}" + (f" ({e['failed']} failed)" if e["failed"] else "")
+        for e in evals
+    ]
+    text.append("  ".join(shown) if shown else "-")
     return text
 
 
 def render(snap: dict[str, Any]) -> RenderableType:
-    """The whole live view: header, workers, staleness histogram next to queues and rates, trends."""
+    """The whole live view: header, workers and their episodes, staleness histogram next to queues and rates,
+    the last step's episodes, trends."""
     middle = Table.grid(padding=(0, 4))
     middle.add_column()
     middle.add_column()
     middle.add_row(_histogram(snap), _flow(snap))
-    return Group(_header(snap), _workers(snap), middle, _trend(snap))
+    middle.add_row(_step(snap), Text(""))
+    return Group(_header(snap), _workers(snap), _episodes(snap), middle, _trend(snap))

@@ -1,5 +1,8 @@
 """The monitor against a real run: ``--json --once`` snapshot, a live Prometheus endpoint, end-of-run plots.
 
+Lags are checked in lineage steps (from the replayed weight announcements), the episode counters of the
+schema-2 heartbeats and step metrics reach the snapshot, and the record's evals.jsonl feeds the plots.
+
 A controller, two rollout workers and a trainer run as ``miles-node`` processes on a real
 nats-server; the monitor attaches as one more process, read-only, as it would from another machine.
 A tiny run trains a step in ~0.1 s, so the trainer is paused (SIGSTOP) while the monitor looks:
@@ -65,7 +68,7 @@ def _scrape(port: int, until: str, timeout_s: float = 15.0) -> str:
 
 
 def test_monitor_json_prometheus_and_plots(tmp_path: Path, server: EmbeddedNats) -> None:
-    cfg = small_run_config(tmp_path / "models", "mon", **{"trainer.steps": STEPS, "trainer.eval_every": 8})
+    cfg = small_run_config(tmp_path / "models", "mon", **{"trainer.steps": STEPS, "eval.every": 8})
     from miles.prepare import prepare
 
     prepare(cfg)
@@ -84,11 +87,20 @@ def test_monitor_json_prometheus_and_plots(tmp_path: Path, server: EmbeddedNats)
         snap = json.loads(once.stdout.decode().strip().splitlines()[-1])
         assert snap["run"] == "mon"
         assert snap["trainer_version"] >= 1
+        assert isinstance(snap["trainer_step"], int) and snap["trainer_step"] >= 2
         assert snap["max_staleness"] == cfg.staleness.max_staleness
         assert set(snap["workers"]) == {"rollout-0", "rollout-1"}
         for w in snap["workers"].values():
             assert isinstance(w["version"], int) and w["version"] >= 0
-            assert isinstance(w["lag"], int) and 0 <= w["lag"] <= snap["trainer_version"]
+            assert isinstance(w["step"], int) and isinstance(w["lag"], int)
+            assert w["lag"] == snap["trainer_step"] - w["step"] and 0 <= w["lag"] <= snap["trainer_step"]
+            # Single-turn arithmetic: one turn and one end reason per episode, a healthy engine.
+            assert w["episodes"] > 0 and w["turns_per_episode"] == 1.0
+            assert sum(w["end_reasons"].values()) == w["episodes"]
+            assert w["infra_errors"] == 0 and not w["engine_error"] and w["engine_load_failures"] == 0
+            assert 0 < w["length_mean"] <= cfg.rollout.sampling.max_new_tokens
+        assert snap["rollout_episodes"]["episodes"] == sum(w["episodes"] for w in snap["workers"].values())
+        assert snap["engine_errors"] == []
         hist = snap["staleness_histogram"]
         assert set(hist) >= {str(k) for k in range(cfg.staleness.max_staleness + 1)}
         assert sum(hist.values()) >= 2 * cfg.trainer.groups_per_step
@@ -100,8 +112,13 @@ def test_monitor_json_prometheus_and_plots(tmp_path: Path, server: EmbeddedNats)
         assert snap["dead_lettered"] == 0
         assert snap["discards"].keys() == {"dropped", "requeued", "duplicates"}
         assert snap["reward"]["trend"] and snap["last_step"]["step"] >= 1
+        last = snap["last_step"]
+        assert last["samples"] > 0 and last["infra_excluded"] == 0 and last["turns_mean"] == 1.0
+        assert 0 < last["length_p50"] <= last["length_p90"] <= last["length_max"] <= cfg.rollout.sampling.max_new_tokens
+        assert snap["lengths"]["last"]["p90"] == last["length_p90"] and snap["trained"]["samples"] > 0
         assert snap["rates"]["rollout_tokens_per_s"] >= 0 and snap["rates"]["trained_trajectories_per_s"] > 0
-        assert "0" in snap["evals"]  # the pre-training eval
+        assert "0" in snap["evals"]  # the pre-training eval, at step 0
+        assert snap["eval_results"][0]["step"] == 0 and snap["eval_results"][0]["samples"] > 0
 
         live = subprocess.Popen(
             _monitor_cmd(cluster, "mon-prom", "--json", "--prometheus-port", "0"),
@@ -115,6 +132,9 @@ def test_monitor_json_prometheus_and_plots(tmp_path: Path, server: EmbeddedNats)
         for name in METRIC_NAMES:
             assert f"\n{name}" in text, f"{name} missing from /metrics"
         assert 'miles_worker_lag{run="mon",worker="rollout-0"}' in text
+        assert 'miles_worker_engine_error{run="mon",worker="rollout-0"} 0.0' in text
+        assert 'miles_completion_length{run="mon",stat="p90"}' in text
+        assert 'miles_eval_accuracy{run="mon",step="0"' in text
         assert "miles_staleness_bucket" in text
         live.terminate()
         assert live.wait(timeout=20) == 0
@@ -127,7 +147,9 @@ def test_monitor_json_prometheus_and_plots(tmp_path: Path, server: EmbeddedNats)
             live.kill()
         cluster.procs["trainer-0"].send_signal(signal.SIGCONT)
         cluster.stop()
-    for png in ("reward.png", "staleness.png"):
+    for png in ("reward.png", "staleness.png", "lengths.png"):
         data = (cluster.run_dir / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     assert "plots_written" in cluster.log("controller")
+    evals = [json.loads(line) for line in (cluster.run_dir / "evals.jsonl").read_text().splitlines()]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == STEPS  # before training and the final version
