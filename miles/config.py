@@ -575,7 +575,14 @@ class MonitorConfig(Strict):
     refresh_s: float = Field(1.0, gt=0, description="Seconds between redraws, queue polls and metric updates.")
     rate_window_s: float = Field(30.0, gt=0, description="Window of the tokens/s and trajectories/s rates.")
     reward_points: int = Field(40, ge=1, description="Steps shown in the reward trend (sparkline).")
-    plots: bool = Field(True, description="Write reward and staleness PNG plots to the run directory at the end.")
+    plots: bool = Field(
+        True, description="Write reward, staleness and length PNG plots to the run directory at the end."
+    )
+    wandb: bool = Field(
+        False,
+        description="Also log the run's scalars to Weights & Biases when wandb is installed (offline unless "
+        "WANDB_MODE says otherwise); TensorBoard event files are written whenever tensorboard is installed.",
+    )
 
 
 class RunConfig(Strict):

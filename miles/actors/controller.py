@@ -83,7 +83,9 @@ class Controller(Actor):
         self.workers: dict[str, Heartbeat] = {}
         self._wake = asyncio.Event()
         self._admit_open = asyncio.Event()  # set once the initial evaluation is in (or on a resumed run)
-        self.record = RunRecord(self.run_dir)
+        self.record = RunRecord(
+            self.run_dir, run_name=self.cfg.name, wandb=self.cfg.monitor.wandb, config=self.cfg.model_dump(mode="json")
+        )
         self._epoch_order: tuple[int, list[str]] = (-1, [])
         self.audit = WeightAudit(logger=self.log)
         # mode -> {versions, bytes, max} of the announced payloads (running totals: bounded for any run length)
@@ -136,6 +138,7 @@ class Controller(Actor):
             await asyncio.wait([stop_waiter, tg.create_task(done.wait())], return_when=asyncio.FIRST_COMPLETED)
             done.set()
             stop_waiter.cancel()
+        await asyncio.to_thread(self.record.close)  # idempotent: also after a stop before the end
 
     # ------------------------------------------------------------------ admission
 
@@ -348,6 +351,7 @@ class Controller(Actor):
             **self.audit.summary(),
         )
         await self._write_plots()
+        await asyncio.to_thread(self.record.close)
         await self.bus.put_str(KEY_STATUS, "done")
         await self.bus.publish(self.bus.subjects.control, Control(command="stop", reason="run complete"))
         self.log.info("run_complete", **{k: v for k, v in summary.items() if not isinstance(v, dict | list)})

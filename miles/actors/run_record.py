@@ -47,7 +47,11 @@ def write_json_atomically(path: Path, data: dict[str, Any]) -> None:
 class RunRecord:
     """Appends step metrics, evaluations and ledger lines; writes the summary at the end."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(
+        self, run_dir: Path, *, run_name: str = "", wandb: bool = False, config: dict[str, Any] | None = None
+    ) -> None:
+        from miles.monitoring.scalars import RunScalars
+
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = run_dir / "metrics.jsonl"
@@ -70,6 +74,8 @@ class RunRecord:
         self.steps_seen: set[int] = set()
         self.steps_replayed = 0
         self.last_step: StepMetrics | None = None
+        # TensorBoard event files (and W&B, offline unless configured) of the same scalars, to overlay runs.
+        self.scalars = RunScalars(run_dir, run_name=run_name or run_dir.name, wandb=wandb, config=config)
 
     def ledger(self, event: str, **fields: Any) -> None:
         """One line per group event: issued, trained, dropped, requeued (the accounting trail)."""
@@ -110,6 +116,7 @@ class RunRecord:
         }
         with open(self.metrics_path, "a") as f:
             f.write(_dumps(line) + "\n")
+        self.scalars.step(line, msg.step)
 
     def eval(self, msg: EvalResult, step: int) -> None:
         """An evaluation of the version trained for ``step`` rollout batches (0: the initial policy)."""
@@ -128,6 +135,11 @@ class RunRecord:
         }
         with open(self.evals_path, "a") as f:
             f.write(_dumps(line) + "\n")
+        self.scalars.eval(msg.accuracy, step)
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard / W&B writers."""
+        self.scalars.close()
 
     def write_summary(self, **fields: Any) -> dict[str, Any]:
         """summary.json: the record's own figures plus ``fields`` from the controller (status, group

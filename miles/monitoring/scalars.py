@@ -50,5 +50,7 @@ class RunScalars:
             writer.eval(accuracy, step)
 
     def close(self) -> None:
-        for writer in self.writers:
+        """Close every writer once (idempotent)."""
+        writers, self.writers = self.writers, []
+        for writer in writers:
             writer.close()
