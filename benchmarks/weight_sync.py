@@ -43,7 +43,8 @@ moving the same bytes (``benchmarks/dataplane.py``'s baseline). The rollout paus
 ``last_pause_s``: a full reload stages the complete state (``TorchEngine.stage_weights``) and copies
 every tensor into the float32 model; a delta apply stages only ``SparseValues`` (the changed flat
 positions from ``apply_state_delta(..., with_changes=True)`` and their new values, already cast to the
-engine's dtype) and ``index_copy_``-s them.
+engine's dtype) and ``index_copy_``-s them. The engine is started and idle, so its loop thread applies
+staged weights at once; ``stage_apply_s`` is from staging until the engine holds the version.
 """
 
 from __future__ import annotations
@@ -348,6 +349,7 @@ def train_main(args: argparse.Namespace) -> None:
 
 async def bus_bench(params: float, tensor_elems: int, changed: float, reps: int) -> dict:
     """Full vs delta sync of one BF16 version over an embedded nats-server (see the module docstring)."""
+    import asyncio
     import tempfile
     from pathlib import Path
 
@@ -378,15 +380,26 @@ async def bus_bench(params: float, tensor_elems: int, changed: float, reps: int)
             return input_ids
 
     engine = TorchEngine(Flat(), pad_token_id=0)
+
+    async def adopted(version: int, timeout_s: float = 600.0) -> None:
+        """Until the engine's loop thread has applied ``version`` (it does so at once when idle)."""
+        deadline = time.perf_counter() + timeout_s
+        while engine.version != version:
+            if engine.error is not None:
+                raise engine.error
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"engine never adopted version {version} (at {engine.version})")
+            await asyncio.sleep(0.0005)
+
     out: dict = {"params": ntensors * tensor_elems, "tensors": ntensors, "lr": lr}
     with tempfile.TemporaryDirectory() as tmp:
-        async with EmbeddedNats(Path(tmp) / "bus") as server:
+        async with EmbeddedNats(Path(tmp) / "bus") as server, engine:
             nc = await connect(server.url, name="bench")
             js = nc.jetstream(timeout=60)
             full = await WeightStore.create(js, "bench", keep_versions=2)
             delta = await WeightStore.create(js, "bench", keep_versions=2, kind="delta")
-            engine.stage_weights(prev, 1)
-            engine.apply_pending()
+            assert engine.stage_weights(prev, 1)
+            await adopted(1)
             version = 1
             for mode in ("full", "delta"):
                 r: dict[str, list[float]] = {}
@@ -410,6 +423,7 @@ async def bus_bench(params: float, tensor_elems: int, changed: float, reps: int)
                     else:
                         state, changes = apply_state_delta(prev, got, version - 1, with_changes=True)
                     t4 = time.perf_counter()
+                    switches = engine.switches  # before staging: the idle engine applies at once
                     if mode == "full":
                         assert engine.stage_weights(state, version)  # complete: every tensor copied in place
                     else:
@@ -418,8 +432,9 @@ async def bus_bench(params: float, tensor_elems: int, changed: float, reps: int)
                         }
                         t4 = time.perf_counter()
                         assert engine.stage_weights(sparse, version, base_version=version - 1, complete=False)
-                    assert engine.apply_pending()
+                    await adopted(version)
                     t5 = time.perf_counter()
+                    assert engine.switches == switches + 1  # applied as one switch
                     assert all(torch.equal(state[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
                     for key, dt in (("encode_s", t1 - t0), ("put_s", t2 - t1), ("get_s", t3 - t2)):
                         r.setdefault(key, []).append(dt)

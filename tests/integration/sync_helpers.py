@@ -1,4 +1,4 @@
-"""Shared pieces of the weight-sync tests: a running follower and a polling wait."""
+"""Shared pieces of the weight-sync tests: a running follower and polling waits."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 
+from miles.engines.base import StagingEngine
 from miles.sync.follower import WeightFollower
 
 
@@ -28,3 +29,17 @@ async def until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError("condition not reached")
+
+
+async def adopted(engine: StagingEngine, version: int, timeout_s: float = 20.0) -> None:
+    """Wait until ``engine`` generates with ``version``: a started engine applies what the follower staged
+    by itself (at once when idle), so this is what ``follower.wait_for`` plus a switch amount to."""
+
+    for _ in range(int(timeout_s / 0.05)):
+        if engine.error is not None:
+            raise AssertionError(f"the engine failed: {engine.error}")
+        if engine.version == version:
+            return
+        await asyncio.sleep(0.05)
+    pending = engine.pending_version
+    raise AssertionError(f"engine never adopted version {version}: at {engine.version}, pending {pending}")

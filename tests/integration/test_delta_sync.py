@@ -1,4 +1,8 @@
-"""Weight sync in ``sync.mode: delta`` over a real nats-server: deltas, anchors, fallbacks, catch-up."""
+"""Weight sync in ``sync.mode: delta`` over a real nats-server: deltas, anchors, fallbacks, catch-up.
+
+The engines are started, as in a rollout worker: they apply staged weights themselves (at once when idle),
+so a version being applied is observed as ``engine.version`` reaching it.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from miles.sync.delta import encode_state_delta
 from miles.sync.follower import WeightFollower
 from miles.sync.publisher import WeightPublisher, delta_keep_versions
 
-from .sync_helpers import running, until
+from .sync_helpers import adopted, running, until
 
 
 @pytest.fixture
@@ -76,20 +80,21 @@ async def test_follower_tracks_every_delta_bit_exactly_and_downloads_little(bus:
     full_store, delta_store = await _stores(bus, anchor_every=100)
     pub = WeightPublisher(bus, full_store, "bfloat16", mode="delta", delta_store=delta_store, anchor_every=100)
     states = _versions(6)
-    anns = [await pub.publish(states[0], 0)]
+    anns = [(await pub.publish(states[0], 0)).announcement]
     assert anns[0].mode == "full" and anns[0].base_version is None
     full_size = anns[0].size
 
     engine = _engine(seed=0)  # starts at version 0 (its checkpoint), without the payload's exact bits
     follower = WeightFollower(bus, full_store, engine, delta_store=delta_store)
-    async with running(follower) as stopping:
+    async with engine, running(follower) as stopping:
         await until(lambda: follower._base is not None)  # the v0 anchor is fetched as the base of v1
         for version in range(1, len(states)):
             ann = (await pub.publish(states[version], version)).announcement
             assert ann.mode == "delta" and ann.base_version == version - 1 and ann.format == "miles-delta"
             assert ann.size < 0.1 * full_size, (ann.size, full_size)
             assert await asyncio.wait_for(follower.wait_for(version, stopping), 20)
-            assert follower.apply_staged() and engine.version == version
+            await adopted(engine, version)
+            assert follower.syncs == version  # one switch per delta (the v0 anchor was the engine's own version)
             assert follower.last_fetch_bytes == ann.size  # only the delta came over the bus
         assert follower.delta_fallbacks == 0 and follower.checksum_failures == 0
         assert follower._base is not None and follower._base[0] == 5
@@ -117,11 +122,12 @@ async def test_a_worker_that_staged_the_base_applies_deltas_as_changed_elements_
 
     engine.stage_weights = spy  # type: ignore[method-assign]
     total = sum(t.numel() for t in states[0].values())
-    async with running(follower) as stopping:
+    async with engine, running(follower) as stopping:
         for version, state in enumerate(states):
             await pub.publish(state, version)
             assert await asyncio.wait_for(follower.wait_for(version, stopping), 20)
-            assert follower.apply_staged() and engine.version == version
+            await adopted(engine, version)
+            assert follower.syncs == version + 1
             _assert_engine_holds(engine, state)
     assert staged[0] == (0, True, total)
     assert [(v, c) for v, c, _ in staged[1:]] == [(v, False) for v in range(1, 5)]
@@ -137,11 +143,11 @@ async def test_corrupt_delta_falls_back_and_never_stages_a_wrong_tensor(bus: Bus
     engine = _engine(seed=0)
     follower = WeightFollower(bus, full_store, engine, delta_store=delta_store)
     follower.retry_s = 0.2
-    async with running(follower) as stopping:
+    async with engine, running(follower) as stopping:
         await until(lambda: follower._base is not None)
         await pub.publish(states[1], 1)
         assert await asyncio.wait_for(follower.wait_for(1, stopping), 20)
-        follower.apply_staged()
+        await adopted(engine, 1)
 
         # Version 2's delta is garbage that passes the transport digest: the codec must catch it.
         garbage = bytearray(encode_state_delta(states[1], states[2], 1, 2))
@@ -162,13 +168,14 @@ async def test_corrupt_delta_falls_back_and_never_stages_a_wrong_tensor(bus: Bus
         await until(lambda: follower.delta_fallbacks >= 1)
         await asyncio.sleep(0.5)
         assert follower.held_version == 1 and engine.pending_version is None  # nothing wrong staged
+        assert engine.version == 1 and follower.syncs == 1
         _assert_engine_holds(engine, states[1])
 
         for version in range(3, 8):  # 3 and 6 are full anchors (anchor_every=3), the others deltas
             ann = (await pub.publish(states[version], version)).announcement
             assert ann.mode == ("full" if version % 3 == 0 else "delta")
             assert await asyncio.wait_for(follower.wait_for(version, stopping), 20)
-            follower.apply_staged()
+            await adopted(engine, version)
         assert engine.version == 7 and follower.delta_fallbacks >= 1
         assert follower._base is not None and _same_bits(follower._base[1], states[7])
         _assert_engine_holds(engine, states[7])
@@ -185,16 +192,16 @@ async def test_late_worker_catches_up_from_the_anchor_then_follows_deltas(bus: B
 
     engine = _engine(seed=0)
     follower = WeightFollower(bus, full_store, engine, delta_store=delta_store)
-    async with running(follower) as stopping:
+    async with engine, running(follower) as stopping:
         assert await asyncio.wait_for(follower.wait_for(6, stopping), 20)
-        follower.apply_staged()
-        assert engine.version == 6 and follower.delta_fallbacks == 1
+        await adopted(engine, 6)
+        assert follower.syncs == 1 and follower.delta_fallbacks == 1  # straight to 6, nothing in between
         assert full_size < follower.last_fetch_bytes < 1.3 * full_size  # anchor 4 + deltas 5, 6
         _assert_engine_holds(engine, states[6])
         for version in range(7, 10):
             ann = (await pub.publish(states[version], version)).announcement
             assert await asyncio.wait_for(follower.wait_for(version, stopping), 20)
-            follower.apply_staged()
+            await adopted(engine, version)
             assert follower.last_fetch_bytes == ann.size
         assert follower.delta_fallbacks == 1 and engine.version == 9
         assert _same_bits(follower._base[1], states[9])  # type: ignore[index]

@@ -23,9 +23,10 @@ from miles.sync.follower import WeightFollower
 from miles.sync.lora import lora_scale
 from miles.sync.payload import serialize_state
 from miles.sync.publisher import WeightPublisher
+from miles.training.step import RLStep, plan_batch
 
 from .harness import check_held_weights, run_to_completion, small_run_config
-from .sync_helpers import running, until
+from .sync_helpers import adopted, running, until
 
 MODEL = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4, seed=3)
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
@@ -47,13 +48,19 @@ def _batch(step: int) -> list[TrainSample]:
     out = []
     for i in range(6):
         ids = torch.randint(4, 40, (7,), generator=g).tolist()
-        out.append(TrainSample(ids[:4], ids[4:], [-2.0] * 3, advantage=(-1.0) ** i, weight_version=step))
+        out.append(TrainSample(ids[:4], ids[4:], [1] * 3, [-2.0] * 3, advantage=(-1.0) ** i, weight_version=step))
     return out
+
+
+def _export(trainer: FsdpBackend, *, adapter_only: bool = False) -> dict[str, torch.Tensor]:
+    """The trainer's streamed export as a state dict of copies (float32, CPU): later steps must not change it."""
+    return {name: t.clone() for name, t in trainer.export_params(adapter_only=adapter_only)}
 
 
 async def test_lora_mode_moves_only_adapter_bytes_and_workers_run_base_plus_adapter(bus: Bus) -> None:
     cfg = TrainerConfig(lr=1e-2, lora=LORA, backend=FsdpBackendConfig(threads=1))
-    trainer = FsdpBackend(_model(), 0, cfg)
+    trainer = FsdpBackend(_model(), cfg)
+    step = RLStep(trainer, cfg, pad_id=tiny.build_char_tokenizer().pad_token_id)
     base = {k: v.clone() for k, v in _model().state_dict().items()}
     full_bytes = len(serialize_state({k: v.to(torch.bfloat16) for k, v in base.items()}, 0))
 
@@ -64,26 +71,25 @@ async def test_lora_mode_moves_only_adapter_bytes_and_workers_run_base_plus_adap
     decoder = EngineWeights(engine.model.state_dict, lora_scale=lora_scale(LORA))
     follower = WeightFollower(bus, store, engine, decoder=decoder)
 
-    adapter = trainer.export_adapter(torch.float32)
+    adapter = _export(trainer, adapter_only=True)
     expected_size = len(serialize_state(adapter, 0))
     # Only the adapter travels: q and v of two layers, rank 4, in float32, plus the safetensors header.
     assert sum(t.numel() for t in adapter.values()) == 2 * 2 * (4 * 64 + 64 * 4)
     assert expected_size < 0.02 * 2 * full_bytes  # < 2% of the base even in float32 against a bf16 base
 
     sizes = []
-    async with running(follower):
+    async with engine, running(follower):
         for version in range(4):
             if version:
-                trainer.train_step(_batch(version))
-                adapter = trainer.export_adapter(torch.float32)
+                step.run(plan_batch(_batch(version), cfg.algo.minibatches, 1)[0])
+                adapter = _export(trainer, adapter_only=True)
             ann = (await publisher.publish(adapter, version)).announcement
             assert ann.mode == "lora" and ann.size == expected_size
             sizes.append(ann.size)
             await until(lambda v=version: follower.held_version >= v)
-            follower.apply_staged()
-            await until(lambda v=version: engine.version == v)
+            await adopted(engine, version)  # the started engine applies what the follower staged
 
-            merged = trainer.export_weights(torch.float32)  # the trainer's policy: base + adapter
+            merged = _export(trainer)  # the trainer's policy: base + adapter
             held = engine.model.state_dict()
             for name, tensor in held.items():
                 if name.endswith(("q_proj.weight", "v_proj.weight")):
@@ -104,7 +110,7 @@ async def test_an_adapter_that_does_not_fit_the_base_fails_the_worker_loudly(bus
         "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 32),  # base is 64 wide
         "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 4),
     }
-    async with running(follower) as stopping:
+    async with engine, running(follower) as stopping:
         await publisher.publish(wrong, 1)
         with pytest.raises(ValueError, match="q_proj"):
             await asyncio.wait_for(follower.wait_for(1, stopping), 20)

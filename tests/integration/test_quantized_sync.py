@@ -21,7 +21,7 @@ from miles.sync.precision import from_rollout_state, state_digest, to_rollout_st
 from miles.sync.publisher import WeightPublisher, delta_keep_versions
 
 from .harness import check_held_weights, run_to_completion, small_run_config
-from .sync_helpers import running, until
+from .sync_helpers import adopted, running, until
 
 MODEL = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4, seed=5)
 
@@ -55,7 +55,7 @@ async def test_workers_hold_exactly_the_trainers_quantized_weights(bus: Bus, pre
     follower = WeightFollower(
         bus, full, engine, delta_store=delta, decoder=EngineWeights(engine.model.state_dict, precision=precision)
     )
-    async with running(follower):
+    async with engine, running(follower):
         for version, master in enumerate(_master_versions(4)):
             published = to_rollout_state(master, precision)
             codes = [n for n, t in published.items() if t.dtype not in (torch.bfloat16, torch.float32)]
@@ -65,8 +65,7 @@ async def test_workers_hold_exactly_the_trainers_quantized_weights(bus: Bus, pre
             assert ann.state_digest == state_digest(published) and ann.precision == precision
             assert ann.mode == ("full" if version == 0 or mode == "full" else "delta")
             await until(lambda v=version: follower.held_version >= v)
-            follower.apply_staged()
-            await until(lambda v=version: engine.version == v)
+            await adopted(engine, version)  # the started engine applies what the follower staged
             # What the engine computes with is the dequantized codes, bit for bit; and what the worker
             # reports holding is the published state's digest.
             expected = from_rollout_state(published, torch.float32)

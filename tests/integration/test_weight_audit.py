@@ -4,7 +4,8 @@ The trainer side (an announcement carrying the state digest of an FP8 rollout st
 side (``weights_held`` reports: one holding exactly that state, one holding it with a single bit
 flipped, plus garbage and a wrong kind on the same subject) are published by hand; the controller
 must count one verified and one mismatch, dead-letter the rest, show the counters in its heartbeat
-and write them to summary.json at the end of the run.
+and write them to summary.json at the end of the run. The controller owns held-out evaluation (the first
+version's and the last one's), so the peer also answers its evaluation shards, as rollout workers would.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from miles.actors.controller import Controller, follow_weights_held
 from miles.actors.weight_audit import WeightAudit
 from miles.bus.client import Bus
-from miles.bus.schema import Heartbeat, TrainerDone, WeightsAnnounced, WeightsHeld, decode
+from miles.bus.schema import EvalShardResult, EvalTask, Heartbeat, TrainerDone, WeightsAnnounced, WeightsHeld, decode
 from miles.config import load_config
 from miles.sync.precision import state_digest, to_rollout_state
 
@@ -35,6 +36,36 @@ async def peer(nats_server: str) -> AsyncIterator[Bus]:
     handle = await Bus.open(load_config(None, [f"name={RUN}"]).bus, nats_server, RUN, "peer")
     yield handle
     await handle.close()
+
+
+async def _answer_evaluations(bus: Bus, stop: asyncio.Event) -> list[EvalTask]:
+    """Play the rollout workers' side of the controller's evaluations: take every shard from the work queue
+    and report it scored (all samples right); returns the shards answered."""
+    s = bus.subjects
+    sub = await bus.js.pull_subscribe_bind(durable=s.ROLLOUT_EVAL_CONSUMER, stream=s.evalq_stream)
+    answered: list[EvalTask] = []
+    try:
+        while not stop.is_set():
+            try:
+                (msg,) = await sub.fetch(1, timeout=0.2)
+            except asyncio.TimeoutError:
+                continue
+            work = await bus.decode_or_dead_letter(msg, EvalTask)
+            assert work is not None
+            result = EvalShardResult(
+                eval_id=work.eval_id,
+                shard=work.shard,
+                worker_id="rollout-0",
+                version=work.version,
+                samples=len(work.samples),
+                reward_sum=float(len(work.samples)),
+            )
+            await bus.publish(s.eval_results, result)
+            await msg.ack()
+            answered.append(work)
+    finally:
+        await sub.unsubscribe()
+    return answered
 
 
 def _published_state() -> dict[str, torch.Tensor]:
@@ -86,6 +117,8 @@ async def test_controller_flags_a_worker_holding_other_weights(nats_server: str,
     bus = await Bus.open(cfg.bus, nats_server, RUN, "controller")
     controller = Controller(cfg, bus, tmp_path / "run")
     task = asyncio.create_task(controller.run())
+    evaluated = asyncio.Event()
+    evaluator = asyncio.create_task(_answer_evaluations(peer, evaluated))
     try:
         await peer.publish(
             s.weights,
@@ -125,7 +158,10 @@ async def test_controller_flags_a_worker_holding_other_weights(nats_server: str,
         controller.request_stop("test over")
         if not task.done():
             await asyncio.wait_for(task, timeout=30)
+        evaluated.set()
+        shards = await asyncio.wait_for(evaluator, timeout=30)
         await bus.close()
+    assert {(t.eval_id, t.version) for t in shards} == {("v1", 1)}  # the first version is also the last
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["weights_verified"] == 1 and summary["weights_mismatches"] == 1
     assert summary["weights_recent_mismatches"][0]["worker"] == "rollout-1"
