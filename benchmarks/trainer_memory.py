@@ -127,6 +127,20 @@ def build_model(args: argparse.Namespace) -> Any:
     return LlamaForCausalLM(cfg).eval()
 
 
+def _baseline_torch_save(obj: Any, path: Any) -> None:
+    """The former trainer's checkpoint write: one ``torch.save`` of the whole state, fsynced (the baseline)."""
+    import os
+
+    import torch
+
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def rank_main(rank: int, port: int, url: str, workdir: str, args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -134,7 +148,6 @@ def rank_main(rank: int, port: int, url: str, workdir: str, args: argparse.Names
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from miles.backends.checkpoint_io import atomic_torch_save
     from miles.backends.distributed import distributed
     from miles.backends.fsdp_checkpoint import save_sharded
     from miles.backends.fsdp_export import export_specs, iter_full_params
@@ -202,7 +215,7 @@ def rank_main(rank: int, port: int, url: str, workdir: str, args: argparse.Names
             model_state = get_model_state_dict(model, options=options)
             optim_state = get_optimizer_state_dict(model, opt, options=options)
             if rank == 0:
-                atomic_torch_save({"model": model_state, "optimizer": optim_state}, Path(workdir) / "full.pt")
+                _baseline_torch_save({"model": model_state, "optimizer": optim_state}, Path(workdir) / "full.pt")
             del model_state, optim_state
             dist.barrier()  # today's save broadcasts rank 0's status: nobody returns before the file is written
         with sampler.phase("baseline_export"):
