@@ -40,8 +40,11 @@ class TinyModelConfig(Strict):
         0.25,
         ge=0,
         le=1,
-        description="Stop the warm-up once greedy held-out accuracy reaches this (checked every 10 steps); "
-        "None: run all warmup_steps.",
+        description="Stop the warm-up once greedy held-out accuracy reaches this (checked every "
+        "warmup_check_every steps); None: run all warmup_steps.",
+    )
+    warmup_check_every: int = Field(
+        10, ge=1, description="Steps between accuracy checks of the warm-up (each plays the eval split's episodes)."
     )
     seed: int = Field(0, description="Seed of the random init and of the warm-up batch order.")
     cache_dir: str | None = Field(

@@ -84,11 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     from miles.backends.registry import BackendUnavailable
     from miles.bus.errors import BusError
-    from miles.models.loading import ModelNotFoundError
+    from miles.models.loading import ModelNotFoundError, ModelNotPrepared
 
     try:
         worker = _build_rank_worker(cfg, args, run_dir) if args.role == "trainer" else None
-    except (BackendUnavailable, ModelNotFoundError) as exc:
+    except (BackendUnavailable, ModelNotFoundError, ModelNotPrepared) as exc:
         print(f"miles-node: error: {exc}", file=sys.stderr)
         return 2
     try:

@@ -142,6 +142,7 @@ class TrainerLeader(Actor):
             self.resolved = IndexSet.from_json(extra["resolved"])
             self.events_seq = int(extra["events_seq"])
             self._last_checkpoint_step = checkpoint_step
+            self.log.info("trainer_resumed", step=checkpoint_step, version=checkpoint_version)
         history = await read_history(self.bus, self.events_seq)
         plan = plan_recovery(checkpoint_version, checkpoint_step, history)
         self.transport = await self._make_transport(first_start=extra is None and history.max_version < 0)

@@ -38,7 +38,6 @@ log = structlog.get_logger(__name__)
 # Bump when the builder changes in a way that changes the built model, to invalidate caches.
 BUILD_FORMAT = 2
 BUILD_INFO_FILE = "miles_build.json"
-TARGET_CHECK_EVERY = 10
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<unk>")
 # One token per chat role, so that a conversation costs a single token per turn boundary.
@@ -146,7 +145,7 @@ def warm_up(
     last loss).
 
     With ``cfg.warmup_target_accuracy`` set, greedy held-out accuracy is checked every
-    ``TARGET_CHECK_EVERY`` steps and training stops as soon as it reaches the target. The step at
+    ``cfg.warmup_check_every`` steps and training stops as soon as it reaches the target. The step at
     which a seed crosses a given accuracy varies a lot (175 to 300 steps for 0.2 on the default task),
     so a target lands far closer to "sometimes right" than any fixed step count. The eval split only
     picks the stopping step (through ``accuracy``); it is never trained on.
@@ -176,7 +175,7 @@ def warm_up(
                 "tiny warm-up", step=step, steps=cfg.warmup_steps, loss=round(loss_value, 4),
                 elapsed_s=round(time.perf_counter() - start, 2),
             )  # fmt: skip
-        if accuracy is not None and cfg.warmup_target_accuracy is not None and step % TARGET_CHECK_EVERY == 0:
+        if accuracy is not None and cfg.warmup_target_accuracy is not None and step % cfg.warmup_check_every == 0:
             model.eval()
             value = accuracy(model)
             model.train()

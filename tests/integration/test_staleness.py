@@ -54,12 +54,14 @@ def test_no_trained_token_is_older_than_eta(tmp_path: Path, server: EmbeddedNats
     lags = []
     for group_id, step in trained_step.items():
         # The policy being updated at step s has version s; every token was sampled by some version <= s.
-        for completion in by_group[group_id].completions:
-            lag = step - completion.weight_version
-            assert 0 <= lag <= eta, f"{group_id}: trained at step {step} with version {completion.weight_version}"
+        for episode in by_group[group_id].episodes:
+            lag = step - episode.oldest_version
+            assert 0 <= lag <= eta, f"{group_id}: trained at step {step} with version {episode.oldest_version}"
             lags.append(lag)
     if eta == 0:
         assert set(lags) == {0}  # synchronous: every trained token came from the current policy
-        first = json.loads((cluster.run_dir / "metrics.jsonl").read_text().splitlines()[0])
-        assert abs(first["ppo_kl"]) < 1e-6
+        # On-policy, the behaviour log-probs are the trainer's own up to bf16 rounding of the synced weights:
+        # the engine-versus-trainer gap (ppo_kl at step 0 compares two trainer passes: 0 by construction).
+        for line in (cluster.run_dir / "metrics.jsonl").read_text().splitlines()[:3]:
+            assert json.loads(line)["logp_mismatch"] < 0.01
     assert cluster.summary()["staleness_max"] <= eta

@@ -102,7 +102,7 @@ def test_warm_up_lowers_answer_loss() -> None:
 def test_warm_up_stops_at_the_target_accuracy(tmp_path: Path) -> None:
     reached = prepare_model(run_cfg(small_cfg(tmp_path / "a", warmup_steps=25, warmup_target_accuracy=0.0)))
     info = json.loads((reached / tiny.BUILD_INFO_FILE).read_text())
-    assert info["warmup_steps_run"] == tiny.TARGET_CHECK_EVERY  # any accuracy meets 0.0 at the first check
+    assert info["warmup_steps_run"] == 10  # any accuracy meets 0.0 at the first check
     unreachable = prepare_model(run_cfg(small_cfg(tmp_path / "b", warmup_steps=25, warmup_target_accuracy=1.0)))
     assert json.loads((unreachable / tiny.BUILD_INFO_FILE).read_text())["warmup_steps_run"] == 25
 
