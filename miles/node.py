@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import socket
@@ -61,6 +62,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``miles-node``: run one actor until it ends; returns the exit status."""
+    code = _main(argv)
+    if _leave_without_static_destructors:
+        # A trainer process has finished, left its process group and flushed nothing yet: flush, then skip
+        # the interpreter's teardown. Under load, a C++ thread of torch's distributed runtime was seen to
+        # abort the process in a static destructor ("terminate called without an active exception") after
+        # every piece of work had completed; the exit status must say how the work went, not that.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+_leave_without_static_destructors = False
+
+
+def _main(argv: list[str] | None) -> int:
+    global _leave_without_static_destructors
     args = build_parser().parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -113,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             from miles.backends.distributed import destroy_distributed
 
             destroy_distributed()  # a process that exits with a live gloo group aborts in its destructor
+            _leave_without_static_destructors = True
 
 
 async def _run_actor(

@@ -90,7 +90,7 @@ class EvalCoordinator:
         samples = sum(r.samples for r in parts)
         pending.result = EvalResult(
             policy_version=min(r.version for r in parts),
-            accuracy=min(1.0, max(0.0, sum(r.reward_sum for r in parts) / samples)) if samples else 0.0,
+            accuracy=sum(r.reward_sum for r in parts) / samples if samples else 0.0,
             samples=samples,
             requested_version=pending.version,
             eval_id=result.eval_id,

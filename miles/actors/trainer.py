@@ -64,6 +64,9 @@ class TrainerLeader(Actor):
         self.events_seq = 0  # EVENTS position of the newest announcement (a checkpoint records it)
         self.advantages = ADVANTAGES.build(self.cfg.trainer.algo.advantage)
         self.counts = {"dropped": 0, "requeued": 0, "duplicates": 0, "no_signal": 0, "replayed_steps": 0}
+        # Failed episodes of groups discarded since the last step: reported with the next step, so every
+        # resolved trajectory's failures are counted once, trained or not.
+        self._discarded_failures = {"reward_failed": 0.0, "infra_excluded": 0.0}
         self._last_checkpoint_step = 0
 
     def heartbeat(self) -> Heartbeat:
@@ -219,6 +222,8 @@ class TrainerLeader(Actor):
             reason=reason,  # type: ignore[arg-type]
         )
         ack = await self.bus.publish(self.bus.subjects.discarded, event)  # recorded durably before the ack
+        self._discarded_failures["reward_failed"] += sum(e.status == "reward_failed" for e in traj.episodes)
+        self._discarded_failures["infra_excluded"] += sum(e.status == "infra_error" for e in traj.episodes)
         self.events_seq = max(self.events_seq, int(ack.seq))
         self.resolved.add(traj.issue_index)
         await msg.ack()
@@ -255,6 +260,8 @@ class TrainerLeader(Actor):
             "step_s": step_s,
             "tokens_per_s": batch.metrics["tokens"] / step_s if step_s else 0.0,
         }
+        for key, discarded in self._discarded_failures.items():
+            metrics[key] = metrics.get(key, 0.0) + discarded
         report = StepMetrics(
             step=step - 1,
             policy_version=version,
@@ -265,6 +272,7 @@ class TrainerLeader(Actor):
         )
         # The message id makes a re-sent report (a replayed step) a no-op in the stream.
         await self.bus.js.publish(self.bus.subjects.step, encode(report), headers={"Nats-Msg-Id": f"step-v{version}"})
+        self._discarded_failures = dict.fromkeys(self._discarded_failures, 0.0)
         for m in msgs:
             await m.ack_sync()
         for t in trajs:

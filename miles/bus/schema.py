@@ -368,11 +368,17 @@ class EvalResult(Message):
 
     KIND: ClassVar[str] = "eval_result"
     policy_version: Version = Field(description="The version evaluated (>= requested_version).")
-    accuracy: float = Field(ge=0.0, le=1.0, description="Mean reward of greedy episodes (accuracy for 0/1).")
+    accuracy: float = Field(description="Mean reward of greedy episodes (the accuracy, for 0/1 rewards); finite.")
     samples: Count
     requested_version: Version = Field(-1, description="The version the evaluation was issued for.")
     eval_id: str = ""
     failed: Count = 0
+
+    @model_validator(mode="after")
+    def _finite(self) -> EvalResult:
+        if not math.isfinite(self.accuracy):
+            raise ValueError("accuracy must be finite")
+        return self
 
 
 class TrainerDone(Message):
