@@ -1,0 +1,119 @@
+"""Reading a stream subject in order without creating a consumer (what a bind-only identity can do).
+
+The announcement follower, the controller's version tracker and the monitor read with nats-py
+ordered consumers today. Creating one is a ``$JS.API.CONSUMER.CREATE`` call, and whoever may make it
+may also point the consumer's ``deliver_subject`` anywhere, so the server would publish on the
+creator's behalf past its permissions (:mod:`miles.security.permissions`). This module gives the
+same stream of messages with two read-only tools instead:
+
+* ``$JS.API.DIRECT.GET.<stream>`` with ``next_by_subj``, asked from the last sequence seen, returns
+  every stored message in order (and the last one by subject for a start at the newest);
+* a core subscription to the subject only *wakes* the reader when something new was published, so
+  a new announcement is seen within a round trip, not a poll period. A missed wake-up (a reconnect)
+  costs at most ``poll_s``: the reader looks again on a timer. Nothing read from the core
+  subscription is trusted or used, so it cannot inject anything the stream does not hold.
+
+The stream must allow direct get (``allow_direct=True``). This belongs in ``miles.bus`` once the
+actors use it; it lives here with the permission table it makes possible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Literal
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.js import JetStreamContext
+from nats.js.api import RawStreamMsg
+from nats.js.errors import NotFoundError, ServiceUnavailableError
+
+from miles.bus.errors import BusError
+
+Start = Literal["first", "last"]
+
+
+async def last_message(js: JetStreamContext, stream: str, subject: str) -> RawStreamMsg | None:
+    """The newest message stored on ``subject`` (no wildcards) in ``stream``, or ``None``."""
+    try:
+        return await js.get_msg(stream, subject=subject, direct=True)
+    except NotFoundError:
+        return None
+    except (ServiceUnavailableError, NoRespondersError):
+        raise BusError(f"stream {stream} does not answer direct gets (does it exist with allow_direct?)") from None
+
+
+async def next_message(js: JetStreamContext, stream: str, subject: str, after_seq: int) -> RawStreamMsg | None:
+    """The first message on ``subject`` (wildcards allowed) with a sequence above ``after_seq``, or ``None``."""
+    try:
+        return await js.get_msg(stream, seq=after_seq + 1, subject=subject, direct=True, next=True)
+    except NotFoundError:
+        return None
+    except (ServiceUnavailableError, NoRespondersError):
+        raise BusError(f"stream {stream} does not answer direct gets (does it exist with allow_direct?)") from None
+
+
+async def follow(
+    nc: Client,
+    js: JetStreamContext,
+    stream: str,
+    subject: str,
+    done: asyncio.Event,
+    *,
+    start: Start = "last",
+    poll_s: float = 1.0,
+) -> AsyncIterator[RawStreamMsg]:
+    """Every message stored on ``subject`` in ``stream``, in stream order, until ``done`` is set.
+
+    ``start="last"`` begins with the newest message on ``subject`` (which must then be a literal
+    subject, like the announcements); ``"first"`` with the oldest still stored.
+    """
+    wake = asyncio.Event()
+
+    async def on_publish(_: Msg) -> None:
+        wake.set()
+
+    sub = await nc.subscribe(subject, cb=on_publish)
+    try:
+        seq = 0
+        if start == "last":
+            newest = await last_message(js, stream, subject)
+            if newest is not None:
+                seq = newest.seq or 0
+                yield newest
+        looked_again = False
+        while not done.is_set():
+            woken = wake.is_set()
+            wake.clear()
+            found = False
+            while (msg := await next_message(js, stream, subject, seq)) is not None:
+                found = True
+                seq = msg.seq or seq + 1
+                yield msg
+                if done.is_set():
+                    return
+            if woken and not found and not looked_again:
+                # The core copy can overtake the stored one (or never be stored: a duplicate): look
+                # once more shortly, then wait.
+                looked_again = True
+                await asyncio.sleep(0.05)
+                continue
+            looked_again = False
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(_first(wake, done), timeout=poll_s)
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+
+
+async def _first(*events: asyncio.Event) -> None:
+    """Return as soon as one of ``events`` is set."""
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
