@@ -105,10 +105,11 @@ def _main(argv: list[str] | None) -> int:
     from miles.backends.registry import BackendUnavailable
     from miles.bus.errors import BusError
     from miles.models.loading import ModelNotFoundError, ModelNotPrepared
+    from miles.training.teacher import TeacherError
 
     try:
         worker = _build_rank_worker(cfg, args, run_dir) if args.role == "trainer" else None
-    except (BackendUnavailable, ModelNotFoundError, ModelNotPrepared) as exc:
+    except (BackendUnavailable, ModelNotFoundError, ModelNotPrepared, TeacherError) as exc:
         print(f"miles-node: error: {exc}", file=sys.stderr)
         return 2
     try:

@@ -50,6 +50,13 @@ def prepare(cfg: RunConfig) -> Path:
         Renderer(load_tokenizer(model_dir), task.render)  # the tokenizer can render this task's episodes
     except (ModelNotFoundError, TemplateError) as exc:
         raise PrepareError(f"model: {exc}") from None
+    if cfg.trainer.algo.distill is not None:  # a missing teacher, or the student itself, is refused here
+        from miles.training.teacher import TeacherError, check_teacher
+
+        try:
+            check_teacher(cfg.trainer.algo.distill.teacher.path, model_dir)
+        except TeacherError as exc:
+            raise PrepareError(str(exc)) from None
     return model_dir
 
 

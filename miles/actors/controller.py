@@ -34,6 +34,7 @@ from miles.actors.base import Actor
 from miles.actors.evaluations import EvalCoordinator
 from miles.actors.run_record import RunRecord
 from miles.actors.weight_audit import WeightAudit
+from miles.algo.filters import over_issue_groups
 from miles.bus.client import KEY_STATUS, Bus, messages_until
 from miles.bus.schema import (
     Control,
@@ -165,7 +166,7 @@ class Controller(Actor):
             self._wake.clear()  # before reading the step: a bump from here on wakes the wait below
             limit = admission_limit(
                 self.trainer_step, self.cfg.staleness.max_staleness, trainer.groups_per_step, trainer.steps
-            )
+            ) + over_issue_groups(trainer.algo, trainer.groups_per_step)  # replacements for filtered groups
             issued_any = False
             while self.state.issued - self.state.discarded < limit and not done.is_set() and self.trainer_version >= 0:
                 sample, attempt = self._next_sample()
@@ -258,7 +259,7 @@ class Controller(Actor):
             self.state.discarded += len(message.group_ids)
             for gid, sid in zip(message.group_ids, message.sample_ids, strict=True):
                 self.record.ledger(
-                    "requeued" if message.requeue else "dropped",
+                    "filtered" if message.reason == "filtered" else "requeued" if message.requeue else "dropped",
                     group_id=gid,
                     sample_id=sid,
                     trainer_version=message.trainer_version,

@@ -28,6 +28,9 @@ from nats.aio.msg import Msg
 from miles.actors.base import Actor, keep_in_progress
 from miles.actors.trainer_ranks import LeaderRanks
 from miles.algo.advantages import ADVANTAGES
+from miles.algo.config import generation_budget
+from miles.algo.filters import build_group_filter
+from miles.algo.shaping import RewardShaper
 from miles.bus.dataplane import WeightStore
 from miles.bus.schema import (
     GroupsDiscarded,
@@ -45,7 +48,7 @@ from miles.sync.transport import FallbackTransport, WeightTransport
 from miles.sync.transport.broadcast import BroadcastTransport, WeightUpdateGroup
 from miles.sync.transport.bus import BusTransport
 from miles.sync.transport.fs import FsTransport, fs_root
-from miles.training.batch import build_batch
+from miles.training.batch import build_batch, group_rewards
 from miles.training.lineage import IndexSet, VersionLineage
 from miles.training.recovery import fetch_batch, plan_recovery, read_history
 from miles.training.step import plan_batch
@@ -63,10 +66,12 @@ class TrainerLeader(Actor):
         self.next_version = 1
         self.events_seq = 0  # EVENTS position of the newest announcement (a checkpoint records it)
         self.advantages = ADVANTAGES.build(self.cfg.trainer.algo.advantage)
-        self.counts = {"dropped": 0, "requeued": 0, "duplicates": 0, "no_signal": 0, "replayed_steps": 0}
-        # Failed episodes of groups discarded since the last step: reported with the next step, so every
-        # resolved trajectory's failures are counted once, trained or not.
-        self._discarded_failures = {"reward_failed": 0.0, "infra_excluded": 0.0}
+        self.shaper = RewardShaper(self.cfg.trainer.algo, generation_budget(self.cfg))
+        self.group_filter = build_group_filter(self.cfg.trainer.algo.filter)  # DAPO's dynamic sampling, or None
+        self.counts = {"dropped": 0, "requeued": 0, "duplicates": 0, "no_signal": 0, "filtered": 0, "replayed_steps": 0}
+        # Failed episodes of groups discarded since the last step (and groups filtered): reported with the next
+        # step, so every resolved trajectory's failures are counted once, trained or not.
+        self._discarded_failures = {"reward_failed": 0.0, "infra_excluded": 0.0, "groups_filtered": 0.0}
         self._last_checkpoint_step = 0
 
     def heartbeat(self) -> Heartbeat:
@@ -208,6 +213,9 @@ class TrainerLeader(Actor):
                         infra = any(e.status == "infra_error" for e in traj.episodes)
                         await self._discard(m, traj, "no_signal", requeue=infra)
                         continue
+                    if self.group_filter is not None and not self.group_filter(group_rewards(traj, self.shaper)):
+                        await self._discard(m, traj, "filtered", requeue=False)  # its credit buys a new prompt
+                        continue
                     held.add(index)
                     msgs.append(m)
                     trajs.append(traj)
@@ -228,8 +236,10 @@ class TrainerLeader(Actor):
         self.resolved.add(traj.issue_index)
         await msg.ack()
         self.counts["requeued" if requeue else "dropped"] += 1
-        if reason == "no_signal":
-            self.counts["no_signal"] += 1
+        if reason in ("no_signal", "filtered"):
+            self.counts[reason] += 1
+        if reason == "filtered":
+            self._discarded_failures["groups_filtered"] += 1
         self.log.info(
             "trajectory_discarded",
             group=traj.group_id,
@@ -245,7 +255,7 @@ class TrainerLeader(Actor):
         self, trajs: list[Trajectory], seqs: list[int], msgs: list[Msg], *, replayed: bool, started: float
     ) -> None:
         """Train one batch, publish its version, ack it, checkpoint if due."""
-        batch = build_batch(trajs, self.advantages)
+        batch = build_batch(trajs, self.advantages, self.shaper)
         lags = [self.lineage.distance(t.oldest_version) for t in trajs]
         staleness = [lag if lag is not None else -1 for lag in lags]
         dp_size = self.ranks.worker.backend.dp_size

@@ -1,4 +1,4 @@
-"""GRPO group-relative advantages.
+"""Advantage estimators: GRPO group-relative advantages (with or without std scaling) and REINFORCE++.
 
 Every prompt is sampled ``group_size`` times; a completion's advantage is its reward relative to
 the others of its group, so no value network is needed.
@@ -85,3 +85,41 @@ def _grpo(cfg: Any) -> AdvantageEstimator:
 @ADVANTAGES.register("grpo_no_std")
 def _grpo_no_std(cfg: Any) -> AdvantageEstimator:
     return lambda groups: group_advantages_ragged(groups, "grpo_no_std")
+
+
+def batch_whitened(groups: Sequence[Sequence[float]], *, baseline: bool, eps: float = 1e-6) -> list[list[float]]:
+    """REINFORCE++ advantages of a rollout batch (Hu et al., 2025), one per sample, shaped like ``groups``.
+
+    * ``baseline=False`` (REINFORCE++): no group baseline, ``A = (r - mean_B r) / (std_B r + eps)``, the mean and
+      (population) std over every sample of the batch;
+    * ``baseline=True`` (REINFORCE++-baseline): ``a = r - mean_g r`` within each group first, then
+      ``A = (a - mean_B a) / (std_B a + eps)`` over the batch.
+
+    Unlike GRPO's, a group of equal rewards keeps a non-zero advantage without the baseline (its reward is
+    compared with the rest of the batch); with it, such a group's advantages are exactly 0.
+    """
+    sizes = [len(g) for g in groups]
+    flat = torch.tensor([float(r) for g in groups for r in g], dtype=torch.float64)  # (N,)
+    if flat.numel() == 0:
+        return [[] for _ in groups]
+    if baseline:
+        centred = [group_advantages(torch.tensor(list(g), dtype=torch.float64), "grpo_no_std") for g in groups if g]
+        flat = torch.cat(centred)
+    whitened = (flat - flat.mean()) / (flat.std(correction=0) + eps)
+    if baseline:  # groups of equal rewards stay exactly 0 (the batch mean of centred rewards is 0 up to rounding)
+        whitened = torch.where(flat == 0, torch.zeros_like(whitened), whitened)
+    out, start = [], 0
+    for n in sizes:
+        out.append(whitened[start : start + n].tolist())
+        start += n
+    return out
+
+
+@ADVANTAGES.register("reinforce_pp")
+def _reinforce_pp(cfg: Any) -> AdvantageEstimator:
+    return lambda groups: batch_whitened(groups, baseline=False, eps=cfg.eps)
+
+
+@ADVANTAGES.register("reinforce_pp_baseline")
+def _reinforce_pp_baseline(cfg: Any) -> AdvantageEstimator:
+    return lambda groups: batch_whitened(groups, baseline=True, eps=cfg.eps)

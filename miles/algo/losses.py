@@ -1,9 +1,13 @@
-"""The policy objective: PPO-clip (clip-higher) with optional k3 KL to a reference and an entropy bonus.
+"""Policy losses: PPO-clip (clip-higher), CISPO and GSPO, with optional k3 KL to a reference and an entropy bonus.
 
 Pure functions of token tensors so that they can be checked by hand and so that data-parallel
 backends can reuse them unchanged: pass the *global* token / sequence counts as normalisers and the
 returned loss and metrics become this shard's additive share of the global value (summing them over
 ranks gives exactly what one rank would compute on the whole batch).
+
+Every loss is one *surrogate* (the per-token policy-gradient term, :func:`ppo_surrogate`,
+:func:`cispo_surrogate`, :func:`gspo_surrogate`) assembled the same way by :func:`policy_loss`: token
+weights of the off-policy correction, aggregation, the KL and entropy terms, the metrics.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import torch
 from torch import Tensor
 
 from miles.algo.registry import Registry
-from miles.algo.segments import num_segments, segment_sum
+from miles.algo.segments import broadcast, num_segments, rows_as_sequences, segment_sum
 
-Aggregation = Literal["token", "sequence"]
+Aggregation = Literal["token", "sequence", "constant"]
+Surrogate = Literal["ppo_clip", "cispo", "gspo"]
 
 
 @dataclass(slots=True)
@@ -33,6 +38,45 @@ class PolicyLossOutput:
     metrics: dict[str, Tensor]
 
 
+def ppo_surrogate(log_ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> tuple[Tensor, Tensor]:
+    """PPO-clip per token: ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` with ``r = exp(log_ratio)``
+    (the pessimistic bound; no gradient where the clipped term is taken). Returns the term and where it clipped."""
+    ratio = torch.exp(log_ratio)  # (B, T)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def cispo_surrogate(log_ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> tuple[Tensor, Tensor]:
+    """CISPO per token (MiniMax-M1, eq. 4): ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log pi_theta``.
+
+    Written as ``-sg(w) * A * r / sg(r)``: the same gradient, ``-w A grad log pi_theta``, with the value
+    ``-w A`` (comparable with PPO's ``-A r``). Unlike PPO no token loses its gradient; the clip only bounds the
+    weight. Returns the term and where the weight was clipped."""
+    ratio = torch.exp(log_ratio)  # (B, T)
+    weight = torch.clamp(ratio.detach(), 1.0 - clip_low, 1.0 + clip_high)
+    return -adv * weight * (ratio / ratio.detach()), weight != ratio.detach()
+
+
+def gspo_surrogate(
+    log_ratio: Tensor, adv: Tensor, mask: Tensor, seq_index: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """GSPO (Zheng et al., 2025) per token, in its GSPO-token form.
+
+    The sequence ratio is the geometric mean of its token ratios, ``s_i = exp(mean_{t in i} log r_t)``; each
+    token carries ``s_{i,t} = sg(s_i) * r_t / sg(r_t)`` (the value ``s_i``, the gradient of ``s_i`` spread over
+    the sequence's tokens) in the PPO-clip term ``max(-A s, -A clip(s, 1 - clip_low, 1 + clip_high))``. With one
+    advantage per sequence and the per-sequence mean this is exactly GSPO's
+    ``-1/G sum_i min(s_i A_i, clip(s_i) A_i)``, value and gradient; per-token advantages (a distillation term)
+    give GSPO-token."""
+    on = mask > 0
+    count = num_segments(seq_index)
+    lengths = segment_sum(mask, seq_index, count).clamp(min=1.0)  # (S,)
+    seq_log_ratio = segment_sum(torch.where(on, log_ratio, 0.0), seq_index, count) / lengths  # (S,)
+    per_token = broadcast(seq_log_ratio, seq_index).detach() + log_ratio - log_ratio.detach()  # (R, L)
+    return ppo_surrogate(per_token, adv, clip_low, clip_high)
+
+
 def policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -42,6 +86,8 @@ def policy_loss(
     clip_low: float,
     clip_high: float,
     aggregation: Aggregation = "token",
+    surrogate: Surrogate = "ppo_clip",
+    constant_tokens: int | None = None,
     ref_logp: Tensor | None = None,
     kl_coef: float = 0.0,
     entropy: Tensor | None = None,
@@ -52,7 +98,7 @@ def policy_loss(
     num_sequences: float | Tensor | None = None,
     seq_index: Tensor | None = None,
 ) -> PolicyLossOutput:
-    """PPO-clip loss over masked tokens.
+    """A policy-gradient loss over masked tokens (PPO-clip by default).
 
     Args:
         logp: ``(B, T)`` log-probs of the taken tokens under the policy being optimised (with grad).
@@ -62,28 +108,37 @@ def policy_loss(
         clip_low, clip_high: the ratio is clipped to ``[1 - clip_low, 1 + clip_high]``; a larger
             ``clip_high`` (clip-higher) lets unlikely tokens with positive advantage grow faster.
         aggregation: ``"token"``: sum over all masked tokens / number of masked tokens, so long
-            completions weigh more; ``"sequence"``: mean per sequence, then mean over sequences.
+            completions weigh more; ``"sequence"``: mean per sequence, then mean over sequences;
+            ``"constant"``: sum over masked tokens / (sequences x ``constant_tokens``), no length
+            normalisation at all (Dr. GRPO).
+        surrogate: the per-token term: ``"ppo_clip"`` (:func:`ppo_surrogate`), ``"cispo"``
+            (:func:`cispo_surrogate`) or ``"gspo"`` (:func:`gspo_surrogate`, sequence ratios).
+        constant_tokens: the per-sequence divisor of ``"constant"`` aggregation.
         ref_logp: ``(B, T)`` reference-policy log-probs; needed when ``kl_coef > 0``.
         kl_coef: weight of the k3 estimator ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, unbiased).
         entropy: ``(B, T)`` per-token entropy of the policy (with grad when ``entropy_coef != 0``).
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
         token_weights: ``(B, T)`` extra per-token multipliers of the policy-gradient term, e.g.
             truncated importance weights for off-policy correction. Detached: they scale, not steer.
-        ratio_cap: truncate the ratio to ``min(ratio, ratio_cap)`` before the PPO clip (no gradient
+        ratio_cap: truncate the ratio to ``min(ratio, ratio_cap)`` before the surrogate (no gradient
             through truncated tokens; for negative advantages this is dual-clip PPO). Used when the
-            ratio is taken against the behaviour policy (``miles.algo.offpolicy``, mode ``"tis"``);
+            ratio is taken against the behaviour policy (``miles.algo.offpolicy``, ``behaviour_ratio``);
             truncated tokens count in ``clip_frac``.
         num_tokens: normaliser of the token means (default: masked tokens here); pass the global
             count across data-parallel ranks.
-        num_sequences: normaliser of the ``"sequence"`` mean (default: sequences here with at least
-            one masked token); pass the global count across ranks.
+        num_sequences: normaliser of the ``"sequence"`` and ``"constant"`` means (default: sequences here
+            with at least one masked token); pass the global count across ranks.
         seq_index: ``(B, T)`` sequence of each token when rows are packed with several sequences
             (:mod:`miles.algo.segments`); default: each row is one sequence.
     """
     if clip_low < 0 or clip_high < 0:
         raise ValueError("clip_low and clip_high must be >= 0")
-    if aggregation not in ("token", "sequence"):
+    if aggregation not in ("token", "sequence", "constant"):
         raise ValueError(f"unknown aggregation {aggregation!r}")
+    if aggregation == "constant" and (constant_tokens is None or constant_tokens < 1):
+        raise ValueError("aggregation 'constant' needs constant_tokens >= 1")
+    if surrogate not in ("ppo_clip", "cispo", "gspo"):
+        raise ValueError(f"unknown surrogate {surrogate!r}")
     if kl_coef > 0 and ref_logp is None:
         raise ValueError("kl_coef > 0 needs ref_logp")
     if entropy_coef != 0 and entropy is None:
@@ -95,34 +150,35 @@ def policy_loss(
     adv = advantages.to(logp.dtype)
     if adv.dim() == 1:
         adv = adv.unsqueeze(1)  # (B, 1) broadcast over T
+    seqs = rows_as_sequences(mask) if seq_index is None else seq_index  # (B, T)
 
     log_ratio = logp - old_logp  # (B, T)
-    ratio = torch.exp(log_ratio)  # (B, T)
-    truncated = torch.zeros_like(ratio, dtype=torch.bool)
+    truncated = torch.zeros_like(log_ratio, dtype=torch.bool)
+    capped = log_ratio
     if ratio_cap is not None:
-        truncated = ratio.detach() > ratio_cap
-        ratio = torch.clamp(ratio, max=ratio_cap)
-    unclipped = -adv * ratio  # (B, T)
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)  # (B, T)
-    pg = torch.maximum(unclipped, clipped)  # (B, T) pessimistic bound
+        cap = torch.log(torch.as_tensor(ratio_cap, dtype=logp.dtype))
+        truncated = log_ratio.detach() > cap
+        capped = torch.clamp(log_ratio, max=cap)
+    if surrogate == "ppo_clip":
+        pg, clipped = ppo_surrogate(capped, adv, clip_low, clip_high)
+    elif surrogate == "cispo":
+        pg, clipped = cispo_surrogate(capped, adv, clip_low, clip_high)
+    else:
+        pg, clipped = gspo_surrogate(capped, adv.expand_as(log_ratio), mask, seqs, clip_low, clip_high)
     if token_weights is not None:
         pg = pg * token_weights.detach().to(logp.dtype)
 
     tokens = _normaliser(num_tokens, mask.sum(), logp)
-    count = mask.shape[0] if seq_index is None else num_segments(seq_index)
-
-    def per_sequence(per_token: Tensor) -> Tensor:  # (B, T) -> (S,) sums over each sequence's tokens
-        if seq_index is None:
-            return per_token.sum(dim=1)
-        return segment_sum(per_token, seq_index, count)
-
-    seq_lengths = per_sequence(mask)  # (S,)
+    count = num_segments(seqs)
+    seq_lengths = segment_sum(mask, seqs, count)  # (S,)
     sequences = _normaliser(num_sequences, (seq_lengths > 0).sum(), logp)
 
     def aggregate(per_token: Tensor) -> Tensor:
         if aggregation == "token":
             return (per_token * mask).sum() / tokens
-        per_seq = per_sequence(per_token * mask) / seq_lengths.clamp(min=1.0)  # (S,)
+        if aggregation == "constant":
+            return (per_token * mask).sum() / (sequences * float(constant_tokens))  # type: ignore[arg-type]
+        per_seq = segment_sum(per_token * mask, seqs, count) / seq_lengths.clamp(min=1.0)  # (S,)
         return per_seq.sum() / sequences
 
     def token_mean(per_token: Tensor) -> Tensor:
@@ -148,7 +204,7 @@ def policy_loss(
     metrics = {
         "loss": loss.detach(),
         "pg_loss": pg_loss.detach(),
-        "clip_frac": token_mean(((clipped > unclipped) | truncated).to(logp.dtype)),
+        "clip_frac": token_mean((clipped | truncated).to(logp.dtype)),
         "ppo_kl": token_mean(-log_ratio),
         "kl_ref": kl_ref.detach(),
         "entropy": ent.detach(),
@@ -197,19 +253,17 @@ class PolicyLoss(Protocol):
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
 
-@POLICY_LOSSES.register("ppo_clip")
-def ppo_clip(cfg: Any) -> PolicyLoss:
-    """:func:`policy_loss` with the section's clip bounds and aggregation."""
-
+def _loss(surrogate: Surrogate, clip_low: float, clip_high: float, aggregation: Aggregation, **kw: Any) -> PolicyLoss:
     def loss(x: LossInputs) -> PolicyLossOutput:
         return policy_loss(
             x.logp,
             x.base_logp,
             x.advantages,
             x.mask,
-            clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high,
-            aggregation=cfg.aggregation,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            aggregation=aggregation,
+            surrogate=surrogate,
             ref_logp=x.ref_logp,
             kl_coef=x.kl_coef,
             entropy=x.entropy,
@@ -219,6 +273,28 @@ def ppo_clip(cfg: Any) -> PolicyLoss:
             num_tokens=x.num_tokens,
             num_sequences=x.num_sequences,
             seq_index=x.seq_index,
+            **kw,
         )
 
     return loss
+
+
+@POLICY_LOSSES.register("ppo_clip")
+def ppo_clip(cfg: Any) -> PolicyLoss:
+    """:func:`policy_loss` with the section's clip bounds and aggregation (``constant`` needs
+    ``cfg.constant_tokens`` resolved: :class:`miles.algo.objective.Objective` fills in the generation budget)."""
+    if cfg.aggregation == "constant" and cfg.constant_tokens is None:
+        raise ValueError("loss aggregation 'constant' needs constant_tokens (or a generation budget)")
+    return _loss("ppo_clip", cfg.clip_low, cfg.clip_high, cfg.aggregation, constant_tokens=cfg.constant_tokens)
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo(cfg: Any) -> PolicyLoss:
+    """:func:`cispo_surrogate` with the section's weight bounds and aggregation."""
+    return _loss("cispo", cfg.clip_low, cfg.clip_high, cfg.aggregation)
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo(cfg: Any) -> PolicyLoss:
+    """:func:`gspo_surrogate`: sequence ratios, clipped at the section's bounds, each sequence weighted equally."""
+    return _loss("gspo", cfg.clip_low, cfg.clip_high, "sequence")

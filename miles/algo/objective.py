@@ -3,10 +3,11 @@
 For one mini-batch, with global counts ``num_tokens`` and ``num_sequences`` (summed over data-parallel
 ranks), :meth:`Objective.loss_fn` returns the :data:`~miles.backends.base.LossFn` a backend calls on each
 micro-batch: the off-policy correction turns proximal and behaviour log-probs into the ratio's base and
-token weights, the policy loss (with the k3 KL to the reference and the entropy bonus) turns the current
-log-probs into this micro-batch's share of the mini-batch loss. The returned metrics are additive: loss
-terms as shares of the global mean, the correction's statistics as raw sums; :meth:`Objective.finalize`
-turns their totals into the step's metrics.
+token weights, the distillation term (if any) is folded into the advantages, and the policy loss (with the k3
+KL to the reference and the entropy bonus) turns the current log-probs into this micro-batch's share of the
+mini-batch loss. The returned metrics are additive: loss terms as shares of the global mean, the
+correction's and the distillation's statistics as raw sums; :meth:`Objective.finalize` turns their totals into
+the step's metrics.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from torch import Tensor
 
 from miles.algo.advantages import ADVANTAGES, AdvantageEstimator
+from miles.algo.distill import DISTILL_SUM_KEYS, distill_advantages, summarize_distill
 from miles.algo.losses import POLICY_LOSSES, LossInputs, PolicyLoss
 from miles.algo.offpolicy import CORRECTIONS, SUM_KEYS, OffPolicyCorrection, summarize
 from miles.backends.base import LossFn, MicroBatch, TokenOutputs
@@ -26,19 +28,37 @@ SHARE_KEYS = ("loss", "pg_loss", "clip_frac", "ppo_kl", "kl_ref", "entropy")
 
 
 class Objective:
-    """The configured advantage estimator, policy loss, correction, KL and entropy terms (``trainer.algo``)."""
+    """The configured advantage estimator, policy loss, correction, distillation, KL and entropy terms
+    (``trainer.algo``).
 
-    def __init__(self, algo: Any) -> None:
+    Args:
+        algo: the ``trainer.algo`` section.
+        generation_budget: most model tokens per episode (:func:`miles.algo.config.generation_budget`); the
+            divisor of ``aggregation: constant`` when the loss section does not set ``constant_tokens``.
+    """
+
+    def __init__(self, algo: Any, *, generation_budget: int | None = None) -> None:
         self.cfg = algo
         self.advantages: AdvantageEstimator = ADVANTAGES.build(algo.advantage)
-        self.policy_loss: PolicyLoss = POLICY_LOSSES.build(algo.loss)
+        loss_cfg = algo.loss
+        if getattr(loss_cfg, "aggregation", None) == "constant" and loss_cfg.constant_tokens is None:
+            if generation_budget is None:
+                raise ValueError("trainer.algo.loss: aggregation 'constant' needs constant_tokens")
+            loss_cfg = loss_cfg.model_copy(update={"constant_tokens": int(generation_budget)})
+        self.policy_loss: PolicyLoss = POLICY_LOSSES.build(loss_cfg)
         self.correction: OffPolicyCorrection = CORRECTIONS.build(algo.off_policy)
         self.kl_coef = float(algo.kl_coef)
         self.entropy_coef = float(algo.entropy_coef)
+        self.distill = getattr(algo, "distill", None)
 
     @property
     def needs_reference(self) -> bool:
         return self.kl_coef > 0
+
+    @property
+    def needs_teacher(self) -> bool:
+        """Whether micro-batches must carry ``teacher_logp`` (on-policy distillation)."""
+        return self.distill is not None
 
     @property
     def entropy_in_loss(self) -> bool:
@@ -52,11 +72,23 @@ class Objective:
             t = mb.tensors
             corr = self.correction(t["prox_logp"], t["behaviour_logp"], mb.loss_mask, mb.seq_index)
             entropy = out.entropy if self.entropy_in_loss else t.get("prox_entropy")
+            advantages, extra = t["advantages"], {}
+            if self.distill is not None:
+                if "teacher_logp" not in t:
+                    raise ValueError("on-policy distillation: a micro-batch without teacher log-probs")
+                advantages, extra = distill_advantages(
+                    advantages,
+                    t["prox_logp"],
+                    t["teacher_logp"],
+                    mb.loss_mask,
+                    coef=float(self.distill.coef),
+                    task_reward=bool(self.distill.task_reward),
+                )
             result = self.policy_loss(
                 LossInputs(
                     logp=out.logp,
                     base_logp=corr.ratio_base,
-                    advantages=t["advantages"],
+                    advantages=advantages,
                     mask=mb.loss_mask,
                     seq_index=mb.seq_index,
                     num_tokens=num_tokens,
@@ -69,14 +101,19 @@ class Objective:
                     entropy_coef=self.entropy_coef,
                 )
             )
-            return result.loss, {**result.metrics, **corr.sums}
+            return result.loss, {**result.metrics, **corr.sums, **extra}
 
         return loss
 
-    @staticmethod
-    def finalize(totals: Mapping[str, float], minibatches: int) -> dict[str, float]:
+    def finalize(self, totals: Mapping[str, float], minibatches: int) -> dict[str, float]:
         """Step metrics from totals over micro-batches and ranks: loss shares averaged over mini-batches,
-        correction sums turned into means (:func:`miles.algo.offpolicy.summarize`)."""
+        correction and distillation sums turned into means (:func:`miles.algo.offpolicy.summarize`,
+        :func:`miles.algo.distill.summarize_distill`).
+
+        Each mini-batch's loss pass sees the whole mini-batch once, so the distillation sums over all
+        mini-batches cover every trained token of the rollout batch exactly once."""
         out = {key: float(totals.get(key, 0.0)) / max(1, minibatches) for key in SHARE_KEYS}
         out |= summarize({key: float(totals.get(key, 0.0)) for key in SUM_KEYS})
+        if self.distill is not None:
+            out |= summarize_distill({key: float(totals.get(key, 0.0)) for key in DISTILL_SUM_KEYS})
         return out

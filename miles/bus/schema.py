@@ -318,10 +318,11 @@ class GroupsDiscarded(Message):
     sample_ids: list[str]
     requeue: bool = Field(description="True: the controller re-issues these prompts; False: dropped.")
     trainer_version: Version
-    reason: Literal["stale", "no_signal", "infra"] = Field(
+    reason: Literal["stale", "no_signal", "infra", "filtered"] = Field(
         "stale",
         description="stale: older than the staleness bound; no_signal: no episode of the group can be trained "
-        "(every one failed or was infra-excluded).",
+        "(every one failed or was infra-excluded); filtered: the group filter (DAPO dynamic sampling) left it "
+        "out (its rewards do not differ).",
     )
 
     @model_validator(mode="after")

@@ -2,7 +2,10 @@
 
 Only episodes with status ``ok`` are trained and enter their group's advantages: an episode whose reward
 failed, or that the infrastructure broke, is excluded and counted, never scored 0 (which would bias the
-group's baseline). Advantages come from the configured estimator over the whole batch's groups.
+group's baseline). Rewards are shaped first (``trainer.algo.truncated_reward`` and ``reward_shaping``,
+:class:`miles.algo.shaping.RewardShaper`), then advantages come from the configured estimator over the whole
+batch's groups. The group filter (DAPO's dynamic sampling) sees the same shaped rewards
+(:func:`group_rewards`), so a filtered group is exactly one whose advantages would all be 0 under GRPO.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from miles.algo.advantages import AdvantageEstimator
+from miles.algo.filters import has_reward_variance
+from miles.algo.shaping import RewardShaper
 from miles.backends.base import TrainSample
 from miles.bus.schema import Trajectory
 
@@ -29,10 +34,21 @@ def _percentile(values: Sequence[int], q: float) -> float:
     return float(ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)])
 
 
-def build_batch(trajs: Sequence[Trajectory], advantages: AdvantageEstimator) -> Batch:
+def group_rewards(traj: Trajectory, shaper: RewardShaper | None = None) -> list[float]:
+    """The rewards of a group's trainable episodes as the advantage estimator sees them (shaped)."""
+    rewards = [float(e.reward) for e in traj.trained_episodes]  # type: ignore[arg-type]
+    if shaper is None or not shaper.active:
+        return rewards
+    return [shaper(r, e.num_model_tokens, e.truncated) for r, e in zip(rewards, traj.trained_episodes, strict=True)]
+
+
+def build_batch(
+    trajs: Sequence[Trajectory], advantages: AdvantageEstimator, shaper: RewardShaper | None = None
+) -> Batch:
     """Training samples of the batch's trainable episodes, and what the batch looked like."""
     groups = [t.trained_episodes for t in trajs]
-    advs = advantages([[float(e.reward) for e in group] for group in groups])  # type: ignore[arg-type]
+    shaped = [group_rewards(t, shaper) for t in trajs]
+    advs = advantages(shaped)
     samples: list[TrainSample] = []
     for group, group_adv in zip(groups, advs, strict=True):
         for ep, adv in zip(group, group_adv, strict=True):
@@ -55,6 +71,7 @@ def build_batch(trajs: Sequence[Trajectory], advantages: AdvantageEstimator) -> 
     def total(key: str) -> float:
         return float(sum(e.stats.get(key, 0.0) for e in episodes))
 
+    flat_shaped = [r for group in shaped for r in group]
     metrics = {
         "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
         "samples": float(len(samples)),
@@ -63,6 +80,9 @@ def build_batch(trajs: Sequence[Trajectory], advantages: AdvantageEstimator) -> 
         "reward_failed": float(sum(e.status == "reward_failed" for e in episodes)),
         "truncated": float(sum(e.truncated for e in episodes)),
         "groups_without_signal": float(sum(not g for g in groups)),
+        "groups_equal_rewards": float(
+            sum(bool(g) and not has_reward_variance(r) for g, r in zip(groups, shaped, strict=True))
+        ),
         "length_mean": sum(lengths) / len(lengths) if lengths else 0.0,
         "length_p50": _percentile(lengths, 50),
         "length_p90": _percentile(lengths, 90),
@@ -74,4 +94,6 @@ def build_batch(trajs: Sequence[Trajectory], advantages: AdvantageEstimator) -> 
         "template_mismatches": total("template_mismatches"),
         "tokens": float(sum(len(e.token_ids) for e in episodes)),
     }
+    if shaper is not None and shaper.active:
+        metrics["reward_shaped_mean"] = sum(flat_shaped) / len(flat_shaped) if flat_shaped else 0.0
     return Batch(samples, metrics)

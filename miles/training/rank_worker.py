@@ -14,11 +14,13 @@ from typing import Any
 import structlog
 import torch
 
+from miles.algo.config import generation_budget
 from miles.backends.base import TrainBackend, TrainSample
 from miles.config import RunConfig
 from miles.sync.stream_export import drain
 from miles.training.checkpoint import CheckpointManager
 from miles.training.step import RLStep
+from miles.training.teacher import build_trainer_teacher
 
 log = structlog.get_logger(__name__)
 
@@ -30,7 +32,14 @@ class RankWorker:
         trainer = cfg.trainer
         self.backend = backend
         self.cfg = cfg
-        self.rl = RLStep(backend, trainer, pad_id=pad_id, device=getattr(trainer.backend, "device", "cpu"))
+        self.rl = RLStep(
+            backend,
+            trainer,
+            pad_id=pad_id,
+            device=getattr(trainer.backend, "device", "cpu"),
+            teacher=build_trainer_teacher(cfg),
+            generation_budget=generation_budget(cfg),
+        )
         self.checkpoints = CheckpointManager(
             run_dir / "checkpoints", trainer.checkpoint_every, trainer.keep_checkpoints, trainer.async_checkpoint
         )

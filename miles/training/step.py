@@ -5,8 +5,8 @@ Given this rank's share of a rollout batch (advantages already computed), :class
 1. packs each of its mini-batches (:func:`plan_batch` splits a rollout batch into
    ``trainer.algo.minibatches`` of them, then over the data-parallel ranks) into micro-batches, padded so
    that every data-parallel rank runs the same number (collectives must match);
-2. scores the proximal policy (the weights at the start of the batch) and, for a KL term, the reference,
-   without gradients;
+2. scores the proximal policy (the weights at the start of the batch) and, for a KL term, the reference, and
+   for on-policy distillation with a teacher in the trainer, the teacher, all without gradients;
 3. per mini-batch: gets the global token and sequence counts, lets the backend accumulate gradients of the
    objective's loss function over its micro-batches, and takes one optimizer step;
 4. reduces the metrics over ranks.
@@ -27,6 +27,7 @@ from miles.algo.objective import Objective
 from miles.backends.base import MicroBatch, TrainBackend, TrainSample
 from miles.backends.lr_schedule import lr_at
 from miles.training.packing import pack_micro_batches, pad_to, shard_for_data_parallel
+from miles.training.teacher import TeacherScorer
 
 log = structlog.get_logger(__name__)
 
@@ -47,10 +48,23 @@ class RLStep:
     """Runs steps of the objective on a backend. ``steps_done`` counts optimizer steps (checkpointed: the
     learning-rate schedule's clock)."""
 
-    def __init__(self, backend: TrainBackend, trainer_cfg: Any, *, pad_id: int, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        backend: TrainBackend,
+        trainer_cfg: Any,
+        *,
+        pad_id: int,
+        device: str = "cpu",
+        teacher: TeacherScorer | None = None,
+        generation_budget: int | None = None,
+    ) -> None:
         self.backend = backend
         self.cfg = trainer_cfg
-        self.objective = Objective(trainer_cfg.algo)
+        self.objective = Objective(trainer_cfg.algo, generation_budget=generation_budget)
+        distill = trainer_cfg.algo.distill
+        if distill is not None and distill.teacher.type == "in_trainer" and teacher is None:
+            raise ValueError("trainer.algo.distill.teacher.type 'in_trainer' needs the teacher loaded in the trainer")
+        self.teacher = teacher
         self.pad_id = pad_id
         self.device = device
         self.steps_done = 0
@@ -77,6 +91,14 @@ class RLStep:
         if self.objective.needs_reference:
             for mb, out in zip(flat, self.backend.score(flat, reference=True), strict=True):
                 mb.tensors["ref_logp"] = out.logp
+        if self.teacher is not None:
+            for mb in flat:
+                mb.tensors["teacher_logp"] = self.teacher.score(mb)
+        elif self.objective.needs_teacher:  # a bus teacher: the leader put its log-probs on every sample
+            for mb in flat:
+                if mb.spans and "teacher_logp" not in mb.tensors:
+                    raise ValueError("on-policy distillation: samples arrived without teacher log-probs")
+                mb.tensors.setdefault("teacher_logp", torch.zeros_like(mb.loss_mask))  # padding micro-batches
 
         totals: dict[str, float] = {}
         grad_norms: list[float] = []
@@ -103,4 +125,9 @@ class RLStep:
             "lr": lr,
             "optimizer_steps": float(len(minis)),
         }
+        if metrics.get("distill_kl_zero"):
+            log.warning(
+                "distill_kl_zero",
+                reason="the teacher's log-probs equal the student's on every token: nothing is distilled",
+            )
         return metrics

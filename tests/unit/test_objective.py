@@ -142,7 +142,7 @@ def test_matches_trls_grpo_and_dapo_loss(aggregation: str, loss_type: str) -> No
 
 def test_finalize_averages_loss_shares_over_minibatches() -> None:
     totals = {"loss": 3.0, "pg_loss": 2.0, "is_tokens": 4.0, "is_weight": 4.0, "is_weight_sq": 4.0}
-    metrics = Objective.finalize(totals, minibatches=2)
+    metrics = Objective(AlgoConfig()).finalize(totals, minibatches=2)
     assert metrics["loss"] == 1.5 and metrics["pg_loss"] == 1.0 and metrics["is_ess"] == 1.0
 
 

@@ -1,0 +1,235 @@
+"""Each algorithm's loss against its paper's formula, written out on the unpacked (rows) layout, on identical
+inputs: Dr. GRPO, DAPO (clip-higher, token mean, dynamic sampling, overlong shaping), GSPO, CISPO,
+REINFORCE++ (with and without baseline), and the on-policy distillation term. Ours runs through the packed
+micro-batch path the trainer uses (several sequences per row), so packing and segment sums are checked too."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from miles.algo.advantages import ADVANTAGES, batch_whitened
+from miles.algo.config import AlgoConfig
+from miles.algo.distill import distill_advantages, summarize_distill
+from miles.algo.filters import build_group_filter, has_reward_variance, over_issue_groups
+from miles.algo.shaping import RewardShaper, overlong_penalty
+from tests.unit.test_objective import F64, _batch, _packed_loss, _rows
+
+
+def _on_policy_batch(seed: int):  # type: ignore[no-untyped-def]
+    samples, prox, current = _batch(seed=seed)
+    for s, p in zip(samples, prox, strict=True):
+        s.behaviour_logprobs = p.tolist()  # behaviour = proximal: no off-policy weight
+    logp, mask = _rows(current)
+    old, _ = _rows(prox)
+    adv = torch.tensor([s.advantage for s in samples], dtype=F64)
+    return samples, prox, current, logp, old, mask, adv
+
+
+def _same(ours: torch.Tensor, reference: torch.Tensor, leaves: list[torch.Tensor]) -> None:
+    torch.testing.assert_close(ours, reference, rtol=0, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(ours, leaves, retain_graph=True), torch.autograd.grad(reference, leaves)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- GSPO
+
+
+def _gspo_paper(logp, old, adv, mask, eps_low, eps_high):  # type: ignore[no-untyped-def]
+    """GSPO, eq. 5-7: s_i = (pi / pi_old)(y_i)^(1/|y_i|); J = 1/G sum_i min(s_i A_i, clip(s_i, 1-e_l, 1+e_h) A_i)."""
+    lengths = mask.sum(-1)
+    s = torch.exp(((logp - old) * mask).sum(-1) / lengths)  # (G,)
+    return -torch.min(s * adv, torch.clamp(s, 1 - eps_low, 1 + eps_high) * adv).mean()
+
+
+@pytest.mark.parametrize(("clip_low", "clip_high"), [(3e-4, 4e-4), (0.05, 0.1), (10.0, 10.0)])
+def test_gspo_is_the_papers_sequence_objective(clip_low: float, clip_high: float) -> None:
+    samples, prox, current, logp, old, mask, adv = _on_policy_batch(seed=5)
+    reference = _gspo_paper(logp, old, adv, mask, clip_low, clip_high)
+    algo = AlgoConfig(off_policy="none", loss={"type": "gspo", "clip_low": clip_low, "clip_high": clip_high})
+    ours, metrics = _packed_loss(algo, samples, prox, current)
+    _same(ours, reference, current)
+    s = torch.exp(((logp - old) * mask).sum(-1) / mask.sum(-1))
+    if clip_low == 10.0:
+        assert metrics["clip_frac"].item() == 0.0
+    else:  # the tiny clip range of the paper clips these (far from on-policy) sequences
+        clipped = (adv > 0) & (s > 1 + clip_high) | (adv < 0) & (s < 1 - clip_low)
+        per_token = (clipped.double().unsqueeze(1) * mask).sum() / mask.sum()
+        assert metrics["clip_frac"].item() == pytest.approx(per_token.item())
+
+
+def test_gspo_differs_from_token_ppo() -> None:
+    samples, prox, current, *_ = _on_policy_batch(seed=5)
+    gspo_cfg = AlgoConfig(off_policy="none", loss={"type": "gspo", "clip_low": 0.2, "clip_high": 0.2})
+    ppo_cfg = AlgoConfig(off_policy="none", loss={"clip_low": 0.2, "clip_high": 0.2, "aggregation": "sequence"})
+    gspo, _ = _packed_loss(gspo_cfg, samples, prox, current)
+    ppo, _ = _packed_loss(ppo_cfg, samples, prox, current)
+    assert abs(gspo.item() - ppo.item()) > 1e-3
+
+
+# --------------------------------------------------------------------------- CISPO
+
+
+def _cispo_paper(logp, old, adv, mask, eps_low, eps_high):  # type: ignore[no-untyped-def]
+    """MiniMax-M1 eq. 4: J = 1 / sum|o_i| sum_i sum_t sg(clip(r_it, 1 - e_l, 1 + e_h)) A_i log pi(o_it)."""
+    w = torch.clamp(torch.exp(logp - old), 1 - eps_low, 1 + eps_high).detach()
+    return -(w * adv.unsqueeze(1) * logp * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize(("clip_low", "clip_high"), [(1.0, 4.0), (0.2, 0.28)])
+def test_cispo_gradient_is_the_papers(clip_low: float, clip_high: float) -> None:
+    samples, prox, current, logp, old, mask, adv = _on_policy_batch(seed=7)
+    algo = AlgoConfig(off_policy="none", loss={"type": "cispo", "clip_low": clip_low, "clip_high": clip_high})
+    ours, metrics = _packed_loss(algo, samples, prox, current)
+    paper = _cispo_paper(logp, old, adv, mask, clip_low, clip_high)
+    for a, b in zip(torch.autograd.grad(ours, current, retain_graph=True), torch.autograd.grad(paper, current)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    # The value is -w A (the paper's -w A log pi has the same gradient; ours stays comparable with PPO's -A r).
+    w = torch.clamp(torch.exp(logp - old), 1 - clip_low, 1 + clip_high)
+    expected = -(w * adv.unsqueeze(1) * mask).sum() / mask.sum()
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-12)
+    ratio = torch.exp(logp - old)
+    clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).double()
+    assert metrics["clip_frac"].item() == pytest.approx(((clipped * mask).sum() / mask.sum()).item())
+
+
+def test_cispo_keeps_the_gradient_of_clipped_tokens() -> None:
+    """PPO zeroes the gradient of a token clipped above with A > 0; CISPO keeps it, weighted by the clip."""
+    from miles.algo.losses import policy_loss
+
+    logp = torch.full((1, 1), math.log(3.0), dtype=F64, requires_grad=True)
+    old = torch.zeros(1, 1, dtype=F64)
+    args = (logp, old, torch.tensor([1.0], dtype=F64), torch.ones(1, 1, dtype=F64))
+    (ppo_grad,) = torch.autograd.grad(policy_loss(*args, clip_low=0.2, clip_high=0.28).loss, logp)
+    (cispo_grad,) = torch.autograd.grad(policy_loss(*args, clip_low=0.2, clip_high=0.28, surrogate="cispo").loss, logp)
+    assert ppo_grad.item() == 0.0
+    assert cispo_grad.item() == pytest.approx(-1.28)
+
+
+# --------------------------------------------------------------------------- Dr. GRPO and DAPO
+
+
+def test_dr_grpo_is_trls_dr_grpo_loss() -> None:
+    """Dr. GRPO: advantages r - mean (no std), loss summed over tokens / (sequences x L_max) (TRL 'dr_grpo')."""
+    samples, prox, current, logp, old, mask, _ = _on_policy_batch(seed=9)
+    rewards = [[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
+    advs = ADVANTAGES.build(AlgoConfig(advantage="grpo_no_std").advantage)(rewards)
+    flat = [a for g in advs for a in g]
+    assert flat == pytest.approx([2 / 3, -1 / 3, -1 / 3, 1 / 3, 1 / 3, -2 / 3])
+    for s, a in zip(samples, flat, strict=True):
+        s.advantage = a
+    adv = torch.tensor(flat, dtype=torch.float32).double()  # the packed tensors hold float32
+    ratio = torch.exp(logp - old)
+    per_token = -torch.min(ratio * adv.unsqueeze(1), torch.clamp(ratio, 0.8, 1.28) * adv.unsqueeze(1))
+    max_completion_length = 8
+    trl = (per_token * mask).sum() / (mask.shape[0] * max_completion_length)
+    loss = {"clip_low": 0.2, "clip_high": 0.28, "aggregation": "constant", "constant_tokens": max_completion_length}
+    ours, _ = _packed_loss(AlgoConfig(off_policy="none", advantage="grpo_no_std", loss=loss), samples, prox, current)
+    _same(ours, trl, current)
+
+
+def test_constant_aggregation_takes_the_generation_budget() -> None:
+    from miles.algo.objective import Objective
+
+    algo = AlgoConfig(loss={"aggregation": "constant"})
+    with pytest.raises(ValueError, match="constant_tokens"):
+        Objective(algo)
+    assert Objective(algo, generation_budget=12).policy_loss is not None
+
+
+def test_dynamic_sampling_keeps_only_groups_whose_rewards_differ() -> None:
+    assert build_group_filter(AlgoConfig().filter) is None
+    keep = build_group_filter(AlgoConfig(filter="reward_variance").filter)
+    assert keep is not None
+    assert keep([0.0, 1.0, 0.0]) and not keep([1.0, 1.0, 1.0]) and not keep([0.0] * 8) and not keep([0.5])
+    assert has_reward_variance([0.1 + 0.2, 0.3]) and not has_reward_variance([0.3, 0.3])
+    loose = build_group_filter(AlgoConfig(filter={"type": "reward_variance", "min_std": 0.2}).filter)
+    assert loose is not None and not loose([0.0, 0.1]) and loose([0.0, 1.0])
+    assert over_issue_groups(AlgoConfig(filter={"type": "reward_variance", "over_issue": 0.3}), 8) == 3
+    assert over_issue_groups(AlgoConfig(), 8) == 0
+
+
+def test_overlong_penalty_is_daops_eq13() -> None:
+    # L_max = 10, L_cache = 4: no penalty up to 6 tokens, then linear to -1 at 10, -1 beyond.
+    assert [overlong_penalty(n, 10, 4) for n in (1, 6, 7, 8, 10, 11)] == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+    assert overlong_penalty(8, 10, 4, penalty=2.0) == -1.0
+
+
+def test_reward_shaper_truncation_then_overlong() -> None:
+    algo = AlgoConfig(truncated_reward=0.0, reward_shaping={"type": "overlong", "buffer_tokens": 2})
+    shaper = RewardShaper(algo, budget=6)
+    assert shaper.max_tokens == 6
+    assert shaper(1.0, 3, truncated=False) == 1.0
+    assert shaper(1.0, 5, truncated=False) == 0.5
+    assert shaper(1.0, 6, truncated=True) == -1.0  # truncated: 0, then the full overlong penalty
+    assert not RewardShaper(AlgoConfig(), budget=6).active
+    with pytest.raises(ValueError, match="buffer_tokens"):
+        RewardShaper(AlgoConfig(reward_shaping={"type": "overlong", "buffer_tokens": 9}), budget=6)
+
+
+# --------------------------------------------------------------------------- REINFORCE++
+
+
+def test_reinforce_pp_whitens_over_the_batch_without_a_group_baseline() -> None:
+    groups = [[1.0, 1.0], [0.0, 1.0, 0.0]]
+    flat = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0], dtype=F64)
+    expected = ((flat - flat.mean()) / (flat.std(correction=0) + 1e-6)).tolist()
+    out = ADVANTAGES.build(AlgoConfig(advantage="reinforce_pp").advantage)(groups)
+    assert [a for g in out for a in g] == pytest.approx(expected, abs=1e-12)
+    assert out[0][0] > 0  # an all-correct group still gets a positive advantage: no group baseline
+
+
+def test_reinforce_pp_baseline_subtracts_the_group_mean_then_whitens() -> None:
+    groups = [[1.0, 1.0], [0.0, 1.0, 0.0], [2.0, 0.0]]
+    centred = torch.tensor([0.0, 0.0, -1 / 3, 2 / 3, -1 / 3, 1.0, -1.0], dtype=F64)
+    expected = ((centred - centred.mean()) / (centred.std(correction=0) + 1e-6)).tolist()
+    out = batch_whitened(groups, baseline=True)
+    assert [a for g in out for a in g] == pytest.approx(expected, abs=1e-12)
+    assert out[0] == [0.0, 0.0]  # equal rewards: exactly 0
+    assert batch_whitened([], baseline=True) == []
+
+
+# --------------------------------------------------------------------------- on-policy distillation
+
+
+def test_distillation_term_is_a_minus_lambda_reverse_kl_on_trained_tokens() -> None:
+    adv = torch.tensor([[0.5, 0.5, 0.5], [-1.0, -1.0, 0.0]], dtype=F64)
+    student = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, -9.0]], dtype=F64)
+    teacher = torch.tensor([[-0.5, -2.0, -1.5], [-0.3, -1.0, -1.0]], dtype=F64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]], dtype=F64)  # row 1: an env token and padding
+    out, sums = distill_advantages(adv, student, teacher, mask, coef=0.2, task_reward=True)
+    expected = torch.tensor([[0.5 + 0.1, 0.5, 0.5 - 0.2], [-1.0 - 0.04, 0.0, 0.0]], dtype=F64)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    assert sums["distill_tokens"].item() == 4 and sums["distill_kl"].item() == pytest.approx(-0.5 + 1.0 + 0.2)
+    pure, _ = distill_advantages(adv, student, teacher, mask, coef=0.2, task_reward=False)
+    torch.testing.assert_close(pure, expected - torch.where(mask > 0, adv, 0.0), rtol=0, atol=1e-12)
+    assert summarize_distill({"distill_tokens": 4.0, "distill_kl": 0.7}) == {
+        "distill_reverse_kl": pytest.approx(0.175),
+        "distill_kl_zero": 0.0,
+    }
+    assert summarize_distill({"distill_tokens": 4.0, "distill_kl": 0.0})["distill_kl_zero"] == 1.0
+    assert summarize_distill({})["distill_kl_zero"] == 0.0  # an empty step is not flagged
+
+
+def test_objective_with_distillation_is_the_policy_loss_of_the_adjusted_advantages() -> None:
+    from miles.training.packing import pack_micro_batches
+
+    samples, prox, current, logp, old, mask, adv = _on_policy_batch(seed=11)
+    g = torch.Generator().manual_seed(1)
+    teacher = [p + torch.randn(len(p), generator=g, dtype=F64) * 0.4 for p in prox]
+    for s, t in zip(samples, teacher, strict=True):
+        s.teacher_logprobs = t.tolist()
+    (mb,) = pack_micro_batches(samples, pad_id=0)
+    assert "teacher_logp" in mb.tensors
+    teacher_rows, _ = _rows([torch.tensor(t.tolist(), dtype=torch.float32).double() for t in teacher])
+    adjusted = adv.unsqueeze(1) - 0.2 * (old - teacher_rows)
+    ratio = torch.exp(logp - old)
+    per_token = -torch.min(ratio * adjusted, torch.clamp(ratio, 0.8, 1.28) * adjusted)
+    reference = (per_token * mask).sum() / mask.sum()
+    distill = {"teacher": {"type": "in_trainer", "path": "/nonexistent"}, "coef": 0.2}
+    ours, metrics = _packed_loss(AlgoConfig(off_policy="none", distill=distill), samples, prox, current)
+    _same(ours, reference, current)
+    kl = ((old - teacher_rows) * mask).sum()
+    assert metrics["distill_kl"].item() == pytest.approx(kl.item(), abs=1e-6)
