@@ -17,6 +17,7 @@ from miles.algo.config import AlgoConfig  # the RL objective's sections live nex
 from miles.config_base import Strict, variant
 from miles.models.families.config import FamilyModelConfig
 from miles.sandbox.config import SandboxConfig
+from miles.tasks.scratchpad import ScratchpadTaskConfig
 from miles.tasks.terminal.config import TerminalTaskConfig
 
 _variant = variant
@@ -115,6 +116,7 @@ TaskConfig = Annotated[
     Annotated[ArithmeticTaskConfig, Tag("arithmetic")]
     | Annotated[JsonlTaskConfig, Tag("jsonl")]
     | Annotated[CopyTaskConfig, Tag("copy")]
+    | Annotated[ScratchpadTaskConfig, Tag("scratchpad")]
     | Annotated[TerminalTaskConfig, Tag("terminal")],
     _variant("arithmetic"),
 ]

@@ -95,6 +95,7 @@ class EvalCoordinator:
             requested_version=pending.version,
             eval_id=result.eval_id,
             failed=sum(r.failed for r in parts),
+            tokens=sum(r.tokens for r in parts),
         )
         await self.bus.js.publish(
             self.bus.subjects.eval, encode(pending.result), headers={"Nats-Msg-Id": f"eval-{result.eval_id}"}

@@ -63,6 +63,7 @@ class RunRecord:
             started.write_text(f"{time.time()}\n")
         self.started_at = float(started.read_text())
         self.evals: dict[int, float] = {}  # steps trained into the evaluated version -> accuracy
+        self.eval_lengths: dict[int, float] = {}  # ... -> mean completion tokens (under eval.max_new_tokens)
         self.eval_versions: dict[int, int] = {}  # requested version -> step
         self.staleness: list[int] = []
         self.groups_trained = 0
@@ -123,6 +124,7 @@ class RunRecord:
         if step in self.evals:
             return
         self.evals[step] = msg.accuracy
+        self.eval_lengths[step] = msg.tokens / msg.samples if msg.samples else 0.0
         self.eval_versions[msg.requested_version] = step
         line = {
             "step": step,
@@ -131,6 +133,7 @@ class RunRecord:
             "eval_accuracy": msg.accuracy,
             "samples": msg.samples,
             "failed": msg.failed,
+            "length_mean": self.eval_lengths[step],
             "time": round(time.time() - self.started_at, 3),
         }
         with open(self.evals_path, "a") as f:
@@ -151,6 +154,8 @@ class RunRecord:
             "eval_before": self.evals.get(0),
             "eval_after": self.evals[steps[-1]] if steps else None,
             "eval_after_step": steps[-1] if steps else None,
+            "eval_length_before": self.eval_lengths.get(0),
+            "eval_length_after": self.eval_lengths[steps[-1]] if steps else None,
             "wall_s": round(time.time() - self.started_at, 2),
             "staleness_mean": sum(self.staleness) / len(self.staleness) if self.staleness else 0.0,
             "staleness_max": max(self.staleness, default=0),

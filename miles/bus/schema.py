@@ -374,6 +374,7 @@ class EvalResult(Message):
     requested_version: Version = Field(-1, description="The version the evaluation was issued for.")
     eval_id: str = ""
     failed: Count = 0
+    tokens: Count = Field(0, description="Completion tokens the evaluation generated (length = tokens / samples).")
 
     @model_validator(mode="after")
     def _finite(self) -> EvalResult:

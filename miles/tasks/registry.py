@@ -35,6 +35,10 @@ def build_task(cfg: Any, *, sandbox: SandboxConfig | None = None) -> Task:
         from miles.tasks.copy import CopyTask
 
         return CopyTask(cfg)
+    if cfg.type == "scratchpad":
+        from miles.tasks.scratchpad import ScratchpadTask
+
+        return ScratchpadTask(cfg)
     if cfg.type == "terminal":
         from miles.sandbox.registry import build_provider
         from miles.tasks.terminal.task import load_terminal_tasks
