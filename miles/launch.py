@@ -85,6 +85,11 @@ def spawn_actors(cfg: RunConfig, config_path: Path, run_dir: Path, nats_url: str
         rank = ["--weight-group-rank", str(i + 1)] if cfg.sync.transport == "broadcast" else []
         cmd = node_command("rollout", config_path, run_dir, nats_url, "--actor-id", f"rollout-{i}", *rank)
         children.append(_spawn(f"rollout-{i}", cmd, run_dir))
+    distill = cfg.trainer.algo.distill
+    if distill is not None and distill.teacher.type == "actor":  # on-policy distillation from teacher actors
+        for i in range(distill.teacher.actors):
+            cmd = node_command("teacher", config_path, run_dir, nats_url, "--actor-id", f"teacher-{i}")
+            children.append(_spawn(f"teacher-{i}", cmd, run_dir))
     port = free_port()
     for rank in range(cfg.trainer.ranks):
         cmd = node_command(

@@ -19,7 +19,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from miles.config import ConfigError, RunConfig, add_override_option, load_config
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # keep `miles-node --help` free of torch and nats imports
     from miles.bus.client import Bus
     from miles.training.rank_worker import RankWorker
 
-ROLES = ("controller", "rollout", "trainer", "monitor")
+ROLES = ("controller", "rollout", "trainer", "monitor", "teacher")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +109,7 @@ def _main(argv: list[str] | None) -> int:
 
     try:
         worker = _build_rank_worker(cfg, args, run_dir) if args.role == "trainer" else None
+        scoring = _build_teacher_scoring(cfg) if args.role == "teacher" else None
     except (BackendUnavailable, ModelNotFoundError, ModelNotPrepared, TeacherError) as exc:
         print(f"miles-node: error: {exc}", file=sys.stderr)
         return 2
@@ -125,7 +126,7 @@ def _main(argv: list[str] | None) -> int:
         except ImportError:  # pragma: no cover - non-POSIX
             runner = asyncio.run
         try:
-            return runner(_run_actor(cfg, args, actor_id, run_dir, worker))
+            return runner(_run_actor(cfg, args, actor_id, run_dir, worker, scoring))
         except BusError as exc:
             print(f"miles-node: error: {exc}", file=sys.stderr)
             return 1
@@ -138,13 +139,18 @@ def _main(argv: list[str] | None) -> int:
 
 
 async def _run_actor(
-    cfg: RunConfig, args: argparse.Namespace, actor_id: str, run_dir: Path, worker: RankWorker | None
+    cfg: RunConfig,
+    args: argparse.Namespace,
+    actor_id: str,
+    run_dir: Path,
+    worker: RankWorker | None,
+    scoring: Any = None,
 ) -> int:
     from miles.bus.client import Bus
 
     bus = await Bus.open(cfg.bus, args.nats_url, cfg.name, actor_id)
     try:
-        actor = _build_actor(cfg, args, bus, run_dir, worker)
+        actor = _build_actor(cfg, args, bus, run_dir, worker, scoring)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, actor.request_stop, f"signal {sig.name}")
@@ -154,7 +160,9 @@ async def _run_actor(
     return 0
 
 
-def _build_actor(cfg: RunConfig, args: argparse.Namespace, bus: Bus, run_dir: Path, worker: RankWorker | None) -> Actor:
+def _build_actor(
+    cfg: RunConfig, args: argparse.Namespace, bus: Bus, run_dir: Path, worker: RankWorker | None, scoring: Any = None
+) -> Actor:
     if args.role == "controller":
         from miles.actors.controller import Controller
 
@@ -168,6 +176,10 @@ def _build_actor(cfg: RunConfig, args: argparse.Namespace, bus: Bus, run_dir: Pa
         from miles.actors.monitor import Monitor
 
         return Monitor(cfg, bus, run_dir, as_json=args.json, once=args.once, prometheus_port=args.prometheus_port)
+    if args.role == "teacher":
+        from miles.actors.teacher import TeacherActor
+
+        return TeacherActor(cfg, bus, run_dir, scoring=scoring)
     from miles.actors.trainer import TrainerLeader
     from miles.actors.trainer_ranks import LeaderRanks
 
@@ -180,6 +192,14 @@ def _limit_threads(threads: int | None) -> None:
         import torch
 
         torch.set_num_threads(threads)
+
+
+def _build_teacher_scoring(cfg: RunConfig) -> Any:
+    """A teacher actor's scoring engine, its teacher checked against the student (before the bus)."""
+    from miles.actors.teacher import build_teacher_scoring
+
+    _limit_threads(1)
+    return build_teacher_scoring(cfg)
 
 
 def _build_rank_worker(cfg: RunConfig, args: argparse.Namespace, run_dir: Path) -> RankWorker:

@@ -52,6 +52,7 @@ from miles.training.batch import build_batch, group_rewards
 from miles.training.lineage import IndexSet, VersionLineage
 from miles.training.recovery import fetch_batch, plan_recovery, read_history
 from miles.training.step import plan_batch
+from miles.training.teacher_client import teacher_client
 
 
 class TrainerLeader(Actor):
@@ -68,6 +69,7 @@ class TrainerLeader(Actor):
         self.advantages = ADVANTAGES.build(self.cfg.trainer.algo.advantage)
         self.shaper = RewardShaper(self.cfg.trainer.algo, generation_budget(self.cfg))
         self.group_filter = build_group_filter(self.cfg.trainer.algo.filter)  # DAPO's dynamic sampling, or None
+        self.teacher = teacher_client(self.cfg, self.bus.nc, self.bus.subjects.teacher_score)  # a bus teacher, or None
         self.counts = {"dropped": 0, "requeued": 0, "duplicates": 0, "no_signal": 0, "filtered": 0, "replayed_steps": 0}
         # Failed episodes of groups discarded since the last step (and groups filtered): reported with the next
         # step, so every resolved trajectory's failures are counted once, trained or not.
@@ -256,6 +258,8 @@ class TrainerLeader(Actor):
     ) -> None:
         """Train one batch, publish its version, ack it, checkpoint if due."""
         batch = build_batch(trajs, self.advantages, self.shaper)
+        if self.teacher is not None:  # on-policy distillation from teacher actors: their log-probs of our tokens
+            await self.teacher.fill(batch.samples, self.cfg.rollout.sampling.temperature or 1.0)
         lags = [self.lineage.distance(t.oldest_version) for t in trajs]
         staleness = [lag if lag is not None else -1 for lag in lags]
         dp_size = self.ranks.worker.backend.dp_size

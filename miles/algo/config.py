@@ -249,6 +249,7 @@ class BusTeacher(Strict):
 
     type: Literal["actor"] = "actor"
     path: str = Field(description="What every teacher actor loads, as for the trainer teacher.")
+    actors: int = Field(1, ge=1, description="Teacher actors `miles run` starts (each loads the teacher).")
     engine: Literal["torch", "sglang"] = Field("torch", description="torch: scores in-process; sglang: /generate.")
     url: str | None = Field(None, description="engine sglang: base URL of the SGLang server holding the teacher.")
     timeout_s: float = Field(120.0, gt=0, description="How long the trainer waits for a batch's scores.")

@@ -391,6 +391,46 @@ class TrainerDone(Message):
     steps: Count
 
 
+# --------------------------------------------------------------------------- teacher scoring (distillation)
+
+
+class TeacherSequence(BaseModel):
+    """One sequence to score: the teacher returns the log-prob of every ``token_ids[i]`` given everything before."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    prompt_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(min_length=1, max_length=1 << 20)
+    token_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(max_length=1 << 20)
+
+
+class TeacherScoreRequest(Message):
+    """Trainer leader -> any teacher actor (core request/reply, queue group ``teachers``). Subject
+    ``<run>.teacher.score``."""
+
+    KIND: ClassVar[str] = "teacher_score_request"
+    request_id: str = Field(min_length=1, max_length=128)
+    sequences: list[TeacherSequence] = Field(min_length=1, max_length=4096)
+    temperature: float = Field(1.0, gt=0, le=100, description="Log-probs of softmax(logits / temperature).")
+
+
+class TeacherScoreReply(Message):
+    """A teacher's answer: one list of log-probs per requested sequence (same lengths), or ``error``."""
+
+    KIND: ClassVar[str] = "teacher_score_reply"
+    request_id: str = Field(max_length=128)
+    teacher_id: str = Field(max_length=256)
+    logprobs: list[list[float]] = Field(default_factory=list, max_length=4096)
+    error: str = Field("", max_length=2000, description="Why nothing was scored (one line); empty on success.")
+
+    @model_validator(mode="after")
+    def _check(self) -> TeacherScoreReply:
+        if self.error and self.logprobs:
+            raise ValueError("a reply carries either log-probs or an error")
+        for i, row in enumerate(self.logprobs):
+            if any(not (math.isfinite(x) and x <= 1e-4) for x in row):
+                raise ValueError(f"logprobs[{i}] holds a value that is not a finite log-probability")
+        return self
+
+
 KINDS: dict[str, type[Message]] = {
     cls.KIND: cls
     for cls in (
@@ -406,6 +446,8 @@ KINDS: dict[str, type[Message]] = {
         StepMetrics,
         EvalResult,
         TrainerDone,
+        TeacherScoreRequest,
+        TeacherScoreReply,
     )
 }
 

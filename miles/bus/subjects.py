@@ -68,6 +68,12 @@ class Subjects:
     def metrics_all(self) -> str:
         return f"{self.run}.metrics.>"
 
+    @property
+    def teacher_score(self) -> str:
+        """Core-NATS request/reply: the trainer leader asks teacher actors (queue group ``teachers``) for the
+        log-probs of a batch's tokens (on-policy distillation)."""
+        return f"{self.run}.teacher.score"
+
     def dead_letter(self, origin: str) -> str:
         """Where a message that failed to decode on ``origin`` is parked (origin's dots become '_')."""
         return f"{self.run}.dlq.{origin.replace('.', '_')}"

@@ -218,10 +218,13 @@ class TeacherScorer:
         self.device = device
         self.scorer = TokenScorer(model, temperature=temperature, chunk_tokens=chunk_tokens).to(device).eval()
 
-    def score(self, mb: MicroBatch) -> torch.Tensor:
-        """``(R, L)`` float32 log-probs of ``mb.targets`` under the teacher."""
+    def score(self, mb: MicroBatch, temperature: float | None = None) -> torch.Tensor:
+        """``(R, L)`` float32 log-probs of ``mb.targets`` under the teacher (at ``temperature``, default the
+        one it was built with)."""
         import torch
 
+        if temperature is not None:
+            self.scorer.temperature = float(temperature)
         with torch.no_grad():
             return self.scorer(mb.input_ids, mb.position_ids, mb.targets, False).logp
 

@@ -1,0 +1,86 @@
+"""The trainer leader's side of a bus teacher: each batch's token ids out, the teacher's log-probs back.
+
+Before a step trains, :meth:`TeacherClient.fill` sends the batch's sequences to the teacher actors
+(``teacher_score_request`` on ``<run>.teacher.score``, core request/reply: scoring is idempotent, so a lost
+request is simply sent again) in chunks of ``chunk`` sequences, concurrently, and puts the replies on the
+samples (``TrainSample.teacher_logprobs``, packed into ``teacher_logp`` like every per-token input). A reply
+that does not fit its request (another length, a non-finite value) is refused; when no teacher answers a
+chunk after ``attempts`` tries the step fails with :class:`TeacherUnavailable`, naming the subject: training
+without the teacher would silently distill nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+
+from miles.bus.schema import SchemaError, TeacherScoreReply, TeacherScoreRequest, TeacherSequence, decode, encode
+
+log = structlog.get_logger(__name__)
+
+
+class TeacherUnavailable(RuntimeError):
+    """No teacher actor gave a usable answer; the message says which subject and why."""
+
+
+class TeacherClient:
+    def __init__(self, nc: Any, subject: str, *, timeout_s: float, chunk: int = 64, attempts: int = 3) -> None:
+        self.nc = nc
+        self.subject = subject
+        self.timeout_s = timeout_s
+        self.chunk = chunk
+        self.attempts = attempts
+        self.refused = 0  # replies that did not fit their request
+
+    async def score(self, pairs: Sequence[tuple[list[int], list[int]]], temperature: float) -> list[list[float]]:
+        """The teacher's log-probs of every ``(prompt_ids, token_ids)`` pair, in order."""
+        chunks = [list(pairs[i : i + self.chunk]) for i in range(0, len(pairs), self.chunk)]
+        results = await asyncio.gather(*(self._chunk(c, temperature) for c in chunks))
+        return [row for part in results for row in part]
+
+    async def fill(self, samples: Sequence[Any], temperature: float) -> None:
+        """Set ``teacher_logprobs`` of every :class:`~miles.backends.base.TrainSample`."""
+        scored = await self.score([(list(s.prompt_ids), list(s.token_ids)) for s in samples], temperature)
+        for sample, logprobs in zip(samples, scored, strict=True):
+            sample.teacher_logprobs = logprobs
+
+    async def _chunk(self, pairs: list[tuple[list[int], list[int]]], temperature: float) -> list[list[float]]:
+        request = TeacherScoreRequest(
+            request_id=uuid.uuid4().hex,
+            sequences=[TeacherSequence(prompt_ids=p, token_ids=t) for p, t in pairs],
+            temperature=temperature,
+        )
+        why = "no reply"
+        for attempt in range(1, self.attempts + 1):
+            try:
+                msg = await self.nc.request(self.subject, encode(request), timeout=self.timeout_s)
+            except Exception as exc:  # nats' timeout and no-responders errors: try again, then fail loudly
+                why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                log.warning("teacher_request_failed", subject=self.subject, attempt=attempt, error=why)
+                continue
+            try:
+                reply = decode(msg.data, TeacherScoreReply)
+            except SchemaError as exc:
+                self.refused += 1
+                why = f"undecodable reply ({exc})"
+                continue
+            if reply.error:
+                raise TeacherUnavailable(f"teacher {reply.teacher_id} on {self.subject}: {reply.error}")
+            if reply.request_id != request.request_id or [len(r) for r in reply.logprobs] != [len(t) for _, t in pairs]:
+                self.refused += 1
+                why = f"a reply from {reply.teacher_id} that does not fit the request"
+                continue
+            return [list(row) for row in reply.logprobs]
+        raise TeacherUnavailable(f"no teacher answered on {self.subject} after {self.attempts} tries ({why})")
+
+
+def teacher_client(cfg: Any, nc: Any, subject: str) -> TeacherClient | None:
+    """The client of a run whose distillation teacher is on the bus (``teacher.type: actor``), else None."""
+    distill = cfg.trainer.algo.distill
+    if distill is None or distill.teacher.type != "actor":
+        return None
+    return TeacherClient(nc, subject, timeout_s=distill.teacher.timeout_s)
