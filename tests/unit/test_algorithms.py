@@ -233,3 +233,48 @@ def test_objective_with_distillation_is_the_policy_loss_of_the_adjusted_advantag
     _same(ours, reference, current)
     kl = ((old - teacher_rows) * mask).sum()
     assert metrics["distill_kl"].item() == pytest.approx(kl.item(), abs=1e-6)
+
+
+def _episode(tokens: int, reward: float, truncated: bool = False):  # type: ignore[no-untyped-def]
+    from miles.bus.schema import Episode
+
+    return Episode(
+        prompt_ids=[1],
+        token_ids=[5] * tokens,
+        loss_mask=[1] * tokens,
+        logprobs=[-0.5] * tokens,
+        turns=[(0, tokens, "model")],
+        weight_version=0,
+        reward=reward,
+        status="ok",
+        end_reason="done",
+        truncated=truncated,
+    )
+
+
+def test_batch_shapes_rewards_before_the_advantages_and_the_filter_sees_the_same() -> None:
+    """Two correct answers, one of them truncated at the cap: with truncated_reward 0 and overlong shaping the
+    group has reward variance (the filter keeps it) and the truncated one gets the negative advantage."""
+    from miles.bus.schema import Trajectory
+    from miles.training.batch import build_batch, group_rewards
+
+    traj = Trajectory(
+        group_id="g0",
+        sample_id="s0",
+        worker_id="w",
+        episodes=[_episode(3, 1.0), _episode(6, 1.0, truncated=True)],
+        issued_at_version=0,
+        gen_s=0.0,
+    )
+    algo = AlgoConfig(truncated_reward=0.0, reward_shaping={"type": "overlong", "buffer_tokens": 2})
+    shaper = RewardShaper(algo, budget=6)
+    assert group_rewards(traj) == [1.0, 1.0] and group_rewards(traj, shaper) == [1.0, -1.0]
+    keep = build_group_filter(AlgoConfig(filter="reward_variance").filter)
+    assert keep is not None and not keep(group_rewards(traj)) and keep(group_rewards(traj, shaper))
+    grpo = ADVANTAGES.build(algo.advantage)
+    batch = build_batch([traj], grpo, shaper)
+    assert [s.advantage for s in batch.samples] == pytest.approx([1.0, -1.0], abs=1e-5)
+    assert batch.metrics["reward_mean"] == 1.0 and batch.metrics["reward_shaped_mean"] == 0.0
+    assert batch.metrics["groups_equal_rewards"] == 0.0
+    plain = build_batch([traj], grpo)
+    assert [s.advantage for s in plain.samples] == [0.0, 0.0] and plain.metrics["groups_equal_rewards"] == 1.0
