@@ -225,8 +225,10 @@ class TeacherScorer:
 
         if temperature is not None:
             self.scorer.temperature = float(temperature)
-        with torch.no_grad():
-            return self.scorer(mb.input_ids, mb.position_ids, mb.targets, False).logp
+        dev = self.device
+        with torch.no_grad():  # the teacher may sit on another device than the micro-batch (a CPU teacher)
+            out = self.scorer(mb.input_ids.to(dev), mb.position_ids.to(dev), mb.targets.to(dev), False).logp
+        return out.to(mb.input_ids.device)
 
 
 def build_trainer_teacher(cfg: Any) -> TeacherScorer | None:
@@ -238,7 +240,8 @@ def build_trainer_teacher(cfg: Any) -> TeacherScorer | None:
     if distill is None or distill.teacher.type != "in_trainer":
         return None
     source = check_teacher(distill.teacher.path, prepared_model_dir(cfg.model, cfg.task))
-    device = getattr(cfg.trainer.backend, "device", "cpu")
+    backend = cfg.trainer.backend
+    device = getattr(backend, "device", None) or ("cuda" if backend.type == "megatron" else "cpu")
     chunk = int(getattr(cfg.trainer.backend, "logprob_chunk_tokens", 1024))
     temperature = cfg.rollout.sampling.temperature or 1.0  # greedy rollouts: log-probs at T=1, like the student's
     model = load_teacher_model(source, device)
