@@ -28,12 +28,17 @@ if TYPE_CHECKING:  # keep `miles-node --help` free of torch and nats imports
     from miles.bus.client import Bus
     from miles.training.rank_worker import RankWorker
 
-ROLES = ("controller", "rollout", "trainer", "monitor", "teacher")
+ROLES = ("controller", "rollout", "trainer", "monitor", "teacher", "setup")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="miles-node", description="Run one Miles actor process.")
-    p.add_argument("--role", required=True, choices=ROLES, help="Which actor this process runs.")
+    p.add_argument(
+        "--role",
+        required=True,
+        choices=ROLES,
+        help="Which actor this process runs; setup: create the run's streams and buckets once, then exit.",
+    )
     p.add_argument("--config", "-c", help="YAML recipe (defaults if omitted).")
     add_override_option(p)
     p.add_argument("--run-dir", default="runs/default", help="Run directory (logs, checkpoints, metrics).")
@@ -107,6 +112,8 @@ def _main(argv: list[str] | None) -> int:
     from miles.models.loading import ModelNotFoundError, ModelNotPrepared
     from miles.training.teacher import TeacherError
 
+    if args.role == "setup":
+        return _setup(cfg, args.nats_url)
     try:
         worker = _build_rank_worker(cfg, args, run_dir) if args.role == "trainer" else None
         scoring = _build_teacher_scoring(cfg) if args.role == "teacher" else None
@@ -148,7 +155,7 @@ async def _run_actor(
 ) -> int:
     from miles.bus.client import Bus
 
-    bus = await Bus.open(cfg.bus, args.nats_url, cfg.name, actor_id)
+    bus = await Bus.open(cfg.bus, args.nats_url, cfg.name, actor_id, role=args.role)
     try:
         actor = _build_actor(cfg, args, bus, run_dir, worker, scoring)
         loop = asyncio.get_running_loop()
@@ -157,6 +164,18 @@ async def _run_actor(
         await actor.run()
     finally:
         await bus.close()
+    return 0
+
+
+def _setup(cfg: RunConfig, nats_url: str) -> int:
+    from miles.bus.errors import BusError
+    from miles.bus.setup import setup_run
+
+    try:
+        asyncio.run(setup_run(cfg.bus, nats_url, cfg.name))
+    except BusError as exc:
+        print(f"miles-node: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

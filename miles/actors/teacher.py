@@ -8,9 +8,11 @@ Start them with ``miles-node --role teacher`` (``miles run`` starts ``trainer.al
 of them). The teacher is checked at start-up like the in-trainer one (:func:`miles.training.teacher.check_teacher`):
 a missing path, another tokenizer, or weights equal to the student's is one line and exit 2.
 
-A request that does not decode is dead-lettered and answered with an error reply (so the trainer fails fast
-instead of timing out); a request the engine cannot score gets an error reply naming why. Nothing crashes
-the actor but its engine dying.
+A request that does not decode is refused (:meth:`miles.bus.client.Bus.accept`: dead-lettered under the
+teacher's role, counted in ``refused_malformed``) and answered with an error reply, so the trainer fails fast
+instead of timing out; a request the engine cannot score gets an error reply naming why. Nothing crashes
+the actor but its engine dying. With the run's credentials a teacher may publish nothing into another
+role's inbox but the one reply to each request it received (docs/security.md).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from nats.aio.msg import Msg
 
 from miles.actors.base import Actor
 from miles.bus.client import messages_until
-from miles.bus.schema import Heartbeat, SchemaError, TeacherScoreReply, TeacherScoreRequest, decode, encode
+from miles.bus.schema import Heartbeat, TeacherScoreReply, TeacherScoreRequest, encode
 from miles.engines.base import EngineError
 from miles.engines.scoring import TeacherScoring
 
@@ -35,10 +37,10 @@ class TeacherActor(Actor):
     def __init__(self, *args: Any, scoring: TeacherScoring, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.scoring = scoring
-        self.counts = {"requests": 0, "sequences": 0, "tokens": 0, "refused": 0, "errors": 0}
+        self.counts = {"requests": 0, "sequences": 0, "tokens": 0, "errors": 0}
 
     def heartbeat(self) -> Heartbeat:
-        stats = {**{k: float(v) for k, v in self.counts.items()}, "dead_lettered": float(self.bus.dead_lettered)}
+        stats = {**{k: float(v) for k, v in self.counts.items()}, **self.bus.refusal_stats()}
         return Heartbeat(role=self.role, actor_id=self.actor_id, stats=stats)
 
     async def main(self) -> None:
@@ -52,12 +54,10 @@ class TeacherActor(Actor):
             await self.scoring.close()
 
     async def _answer(self, msg: Msg) -> None:
-        try:
-            request = decode(msg.data, TeacherScoreRequest)
-        except SchemaError as exc:
-            self.counts["refused"] += 1
-            await self.bus.dead_letter(msg.subject, msg.data, str(exc))
-            await self._reply(msg, TeacherScoreReply(request_id="", teacher_id=self.actor_id, error=str(exc)[:2000]))
+        request = await self.bus.accept(msg, TeacherScoreRequest)
+        if request is None:  # refused and counted; say so at once rather than let the asker time out
+            error = f"refused: not a valid {TeacherScoreRequest.KIND} (see the teacher's dead letters)"
+            await self._reply(msg, TeacherScoreReply(request_id="", teacher_id=self.actor_id, error=error))
             return
         self.counts["requests"] += 1
         pairs = [(list(s.prompt_ids), list(s.token_ids)) for s in request.sequences]

@@ -30,6 +30,7 @@ in a gather rank 0 skipped.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -139,9 +140,12 @@ class PayloadLayout:
     tensors: tuple[TensorSpec, ...]
     header: bytes  # 8-byte little-endian length + JSON, space-padded to a multiple of 8 like safetensors
     size: int
+    sha256: bool = False  # also hash the payload with SHA-256 (bus.payload_sha256, docs/security.md)
 
     @classmethod
-    def plan(cls, sources: Iterable[TensorSpec], precision: str, version: int) -> PayloadLayout:
+    def plan(
+        cls, sources: Iterable[TensorSpec], precision: str, version: int, *, sha256: bool = False
+    ) -> PayloadLayout:
         """Layout of the rollout-precision payload of ``sources`` (the model's full-tensor specs)."""
         tensors = tuple(rollout_specs(sources, precision))
         entries: dict[str, object] = {"__metadata__": {METADATA_KEY: str(version)}}
@@ -160,7 +164,14 @@ class PayloadLayout:
         body = json.dumps(entries, separators=(",", ":")).encode()
         body += b" " * (-len(body) % 8)
         header = len(body).to_bytes(8, "little") + body
-        return cls(version=version, precision=precision, tensors=tensors, header=header, size=len(header) + offset)
+        return cls(
+            version=version,
+            precision=precision,
+            tensors=tensors,
+            header=header,
+            size=len(header) + offset,
+            sha256=sha256,
+        )
 
     @property
     def names(self) -> list[str]:
@@ -176,6 +187,7 @@ class ExportSummary:
     digest: str  # xxh3-128 of the payload bytes (as WeightStore.put records it)
     state_digest: str  # precision.state_digest of the published tensors
     tensors: int
+    payload_sha256: str = ""  # with layout.sha256
 
 
 class Rechunker:
@@ -277,12 +289,15 @@ def encode_payload(layout: PayloadLayout, params: Iterable[tuple[str, torch.Tens
     """
     source = iter(params)
     payload_hash = xxhash.xxh3_128()
+    sha256 = hashlib.sha256() if layout.sha256 else None
     state_hash = StateHasher()
     written = 0
 
     def emit(piece: memoryview) -> None:
         nonlocal written
         payload_hash.update(piece)
+        if sha256 is not None:
+            sha256.update(piece)
         sink(piece)
         written += piece.nbytes
 
@@ -305,6 +320,7 @@ def encode_payload(layout: PayloadLayout, params: Iterable[tuple[str, torch.Tens
         digest=payload_hash.hexdigest(),
         state_digest=state_hash.hexdigest(),
         tensors=len(layout.tensors),
+        payload_sha256=sha256.hexdigest() if sha256 is not None else "",
     )
 
 

@@ -4,9 +4,10 @@ Before a step trains, :meth:`TeacherClient.fill` sends the batch's sequences to 
 (``teacher_score_request`` on ``<run>.teacher.score``, core request/reply: scoring is idempotent, so a lost
 request is simply sent again) in chunks of ``chunk`` sequences, concurrently, and puts the replies on the
 samples (``TrainSample.teacher_logprobs``, packed into ``teacher_logp`` like every per-token input). A reply
-that does not fit its request (another length, a non-finite value) is refused; when no teacher answers a
-chunk after ``attempts`` tries the step fails with :class:`TeacherUnavailable`, naming the subject: training
-without the teacher would silently distill nothing.
+that does not decode (``refused_malformed``) or does not fit its request (another id or length:
+``refused_untrusted``) is refused through the trainer's bus (dead-lettered, counted in its heartbeat) and the
+chunk asked again; when no teacher answers a chunk after ``attempts`` tries the step fails with
+:class:`TeacherUnavailable`, naming the subject: training without the teacher would silently distill nothing.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import structlog
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 
-from miles.bus.schema import SchemaError, TeacherScoreReply, TeacherScoreRequest, TeacherSequence, decode, encode
+from miles.bus.client import Bus
+from miles.bus.schema import TeacherScoreReply, TeacherScoreRequest, TeacherSequence, encode
 
 log = structlog.get_logger(__name__)
 
@@ -28,13 +32,12 @@ class TeacherUnavailable(RuntimeError):
 
 
 class TeacherClient:
-    def __init__(self, nc: Any, subject: str, *, timeout_s: float, chunk: int = 64, attempts: int = 3) -> None:
-        self.nc = nc
-        self.subject = subject
+    def __init__(self, bus: Bus, *, timeout_s: float, chunk: int = 64, attempts: int = 3) -> None:
+        self.bus = bus
+        self.subject = bus.subjects.teacher_score
         self.timeout_s = timeout_s
         self.chunk = chunk
         self.attempts = attempts
-        self.refused = 0  # replies that did not fit their request
 
     async def score(self, pairs: Sequence[tuple[list[int], list[int]]], temperature: float) -> list[list[float]]:
         """The teacher's log-probs of every ``(prompt_ids, token_ids)`` pair, in order."""
@@ -57,30 +60,28 @@ class TeacherClient:
         why = "no reply"
         for attempt in range(1, self.attempts + 1):
             try:
-                msg = await self.nc.request(self.subject, encode(request), timeout=self.timeout_s)
-            except Exception as exc:  # nats' timeout and no-responders errors: try again, then fail loudly
-                why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                msg = await self.bus.nc.request(self.subject, encode(request), timeout=self.timeout_s)
+            except (NatsTimeoutError, NoRespondersError) as exc:  # try again, then fail loudly
+                why = type(exc).__name__
                 log.warning("teacher_request_failed", subject=self.subject, attempt=attempt, error=why)
                 continue
-            try:
-                reply = decode(msg.data, TeacherScoreReply)
-            except SchemaError as exc:
-                self.refused += 1
-                why = f"undecodable reply ({exc})"
+            reply = await self.bus.accept(msg, TeacherScoreReply)
+            if reply is None:  # refused (dead-lettered, counted): ask again
+                why = "a reply that does not decode"
                 continue
             if reply.error:
                 raise TeacherUnavailable(f"teacher {reply.teacher_id} on {self.subject}: {reply.error}")
             if reply.request_id != request.request_id or [len(r) for r in reply.logprobs] != [len(t) for _, t in pairs]:
-                self.refused += 1
                 why = f"a reply from {reply.teacher_id} that does not fit the request"
+                await self.bus.refuse(msg, why, category="untrusted")
                 continue
             return [list(row) for row in reply.logprobs]
         raise TeacherUnavailable(f"no teacher answered on {self.subject} after {self.attempts} tries ({why})")
 
 
-def teacher_client(cfg: Any, nc: Any, subject: str) -> TeacherClient | None:
+def teacher_client(cfg: Any, bus: Bus) -> TeacherClient | None:
     """The client of a run whose distillation teacher is on the bus (``teacher.type: actor``), else None."""
     distill = cfg.trainer.algo.distill
     if distill is None or distill.teacher.type != "actor":
         return None
-    return TeacherClient(nc, subject, timeout_s=distill.teacher.timeout_s)
+    return TeacherClient(bus, timeout_s=distill.teacher.timeout_s)
