@@ -17,6 +17,10 @@ refusals again on every change); nothing is granted "just in case". Three decisi
   with that risk (docs/security.md).
 * **Inboxes are per role** (``_INBOX.<run>.<role>``): replies to a trainer's request are not
   readable by a rollout worker subscribed to ``_INBOX.>``, because nobody may subscribe to that.
+* **A teacher answers only what it was asked**: it may subscribe to ``<run>.teacher.score`` and
+  publish nothing into another role's inbox but the one reply to each request it received (the
+  server's ``allow_responses``). A grant on ``_INBOX.<run>.trainer.>`` would let a teacher forge
+  replies to the trainer's other requests, pulled trajectories included.
 * **Key-value writes are per key where the owner is known**: only the trainer writes
   ``trainer_version``; the controller writes every other key of the state bucket.
 
@@ -29,14 +33,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from miles.bus.subjects import Subjects
 
-Role = Literal["setup", "controller", "trainer", "rollout", "monitor"]
+Role = Literal["setup", "controller", "trainer", "rollout", "monitor", "teacher"]
 ROLES: tuple[Role, ...] = get_args(Role)
 # The roles that run as long-lived actors and exchange run messages (setup only prepares JetStream).
-ACTOR_ROLES: tuple[Role, ...] = ("controller", "trainer", "rollout", "monitor")
+ACTOR_ROLES: tuple[Role, ...] = ("controller", "trainer", "rollout", "monitor", "teacher")
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 API = "$JS.API"
@@ -142,10 +146,13 @@ class Permissions:
     subscribe_allow: tuple[str, ...]
     publish_deny: tuple[str, ...] = ()
     subscribe_deny: tuple[str, ...] = ()
+    # May publish one reply to the reply subject of each message delivered to it (nats-server
+    # ``allow_responses``), whatever its publish allow list says.
+    allow_responses: bool = False
 
-    def as_config(self) -> dict[str, dict[str, list[str]]]:
+    def as_config(self) -> dict[str, Any]:
         """The ``permissions`` map of a nats-server user entry."""
-        out: dict[str, dict[str, list[str]]] = {
+        out: dict[str, Any] = {
             "publish": {"allow": list(self.publish_allow)},
             "subscribe": {"allow": list(self.subscribe_allow)},
         }
@@ -153,6 +160,8 @@ class Permissions:
             out["publish"]["deny"] = list(self.publish_deny)
         if self.subscribe_deny:
             out["subscribe"]["deny"] = list(self.subscribe_deny)
+        if self.allow_responses:
+            out["allow_responses"] = True
         return out
 
 
@@ -252,6 +261,7 @@ def _trainer(n: RunNames, inbox: str, compat: bool) -> Permissions:
         f"$KV.{s.state_bucket}.trainer_version",
         s.heartbeat("trainer", "*"),
         n.dead_letters("trainer"),
+        s.teacher_score,  # on-policy distillation: requests to the teacher actors (core request/reply)
         *_pull(s.traj_stream, s.TRAINER_CONSUMER),
         # a restarted trainer reads its own announcements and discards, and the batches of lost steps
         *_direct(s.traj_stream, s.events_stream),
@@ -322,7 +332,26 @@ def _monitor(n: RunNames, inbox: str, compat: bool) -> Permissions:
     return Permissions(publish_allow=_unique(publish), subscribe_allow=subscribe)
 
 
-_TABLE = {"setup": _setup, "rollout": _rollout, "trainer": _trainer, "controller": _controller, "monitor": _monitor}
+def _teacher(n: RunNames, inbox: str, compat: bool) -> Permissions:
+    # Answers the trainer's scoring requests: one reply per request received (allow_responses), its heartbeat
+    # and its refusals; reads the state bucket for the run instance of control commands.
+    s = n.subjects
+    publish = [s.heartbeat("teacher", "*"), n.dead_letters("teacher"), *_kv_read(s.state_bucket)]
+    return Permissions(
+        publish_allow=_unique(publish),
+        subscribe_allow=(s.teacher_score, s.control, inbox),
+        allow_responses=True,
+    )
+
+
+_TABLE = {
+    "setup": _setup,
+    "rollout": _rollout,
+    "trainer": _trainer,
+    "controller": _controller,
+    "monitor": _monitor,
+    "teacher": _teacher,
+}
 
 
 def role_permissions(run: str, role: Role, *, ephemeral_consumers: bool = False) -> Permissions:
@@ -352,6 +381,7 @@ def with_js_domain(perms: Permissions, domain: str) -> Permissions:
         subscribe_allow=perms.subscribe_allow,
         publish_deny=rewrite(perms.publish_deny),
         subscribe_deny=perms.subscribe_deny,
+        allow_responses=perms.allow_responses,
     )
 
 
@@ -367,6 +397,8 @@ def markdown_table(*, ephemeral_consumers: bool = False) -> str:
     for role in ROLES:
         perms = role_permissions(placeholder, role, ephemeral_consumers=ephemeral_consumers)
         publish = [f"`{s}`" for s in perms.publish_allow] + [f"not `{s}`" for s in perms.publish_deny]
+        if perms.allow_responses:
+            publish.append("one reply to each request it receives (`allow_responses`)")
         subscribe = [f"`{s}`" for s in perms.subscribe_allow]
         row = f"| {role} | {'<br>'.join(publish)} | {'<br>'.join(subscribe)} |"
         lines.append(row.replace(placeholder, "<run>"))

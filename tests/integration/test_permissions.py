@@ -365,6 +365,35 @@ async def test_monitor_reads_everything_it_shows(prepared: Callable[[str], Await
     assert monitor.clean() == [] and trainer.clean() == [] and rollout.clean() == []
 
 
+async def teacher_duties(teacher: Session, trainer: Session, controller: Session) -> None:
+    """Answer the trainer's scoring requests (one reply each, into the trainer's inbox), heartbeat, park a
+    refusal, read the run instance, obey a stop; and the trainer's side: the request and its reply."""
+    requests = await teacher.nc.subscribe(S.teacher_score, queue="teachers")
+    control = await teacher.nc.subscribe(S.control)
+    await teacher.nc.flush()
+    asking = asyncio.create_task(trainer.nc.request(S.teacher_score, pack("teacher_score_request"), timeout=5))
+    request = await requests.next_msg(timeout=5)
+    assert request.reply.startswith(f"_INBOX.{RUN}.trainer.")
+    await request.respond(pack("teacher_score_reply", request_id="r"))
+    assert (await asking).data == pack("teacher_score_reply", request_id="r")
+    await teacher.nc.publish(S.heartbeat("teacher", "te0"), pack("heartbeat", role="teacher", actor_id="te0"))
+    await teacher.js.publish(f"{RUN}.dlq.teacher.{S.teacher_score.replace('.', '_')}", b"junk")
+    kv = await teacher.js.key_value(S.state_bucket)
+    await (await trainer.js.key_value(S.state_bucket)).put("trainer_version", b"1")
+    assert (await kv.get("trainer_version")).value == b"1"
+    await controller.js.publish(S.control, pack("control", command="stop"))
+    assert (await control.next_msg(timeout=5)).subject == S.control
+    for sub in (requests, control):
+        await sub.unsubscribe()
+
+
+async def test_teacher_does_its_work(prepared: Callable[[str], Awaitable[Session]]) -> None:
+    teacher, trainer, controller = await prepared("teacher"), await prepared("trainer"), await prepared("controller")
+    await teacher_duties(teacher, trainer, controller)
+    await teacher.nc.flush()
+    assert teacher.clean() == [] and trainer.clean() == [] and controller.clean() == []
+
+
 # --------------------------------------------------------------------------- what each role must not do
 
 ADMIN_API = [
@@ -394,6 +423,7 @@ TRAINER_ONLY = [
     f"$KV.{S.state_bucket}.trainer_version",
     S.heartbeat("trainer", "t0"),
     f"{RUN}.dlq.trainer.x",
+    S.teacher_score,
 ]
 CONTROLLER_ONLY = [
     S.prompts,
@@ -463,6 +493,30 @@ async def test_monitor_cannot_publish_anything(prepared: Callable[[str], Awaitab
     await assert_refused(monitor, EVERY_RUN_SUBJECT + [f"$JS.API.DIRECT.GET.{NAMES.weights_stream}", "anything"])
     for subject in ("_INBOX.>", f"{RUN}.>", S.traj, S.prompts):
         assert await monitor.refused_subscribe(subject), subject
+    assert await stored_messages(setup) == before
+
+
+async def test_teacher_replies_once_per_request_and_publishes_nothing_else(
+    prepared: Callable[[str], Awaitable[Session]],
+) -> None:
+    setup, teacher, trainer = await prepared("setup"), await prepared("teacher"), await prepared("trainer")
+    before = await stored_messages(setup)
+    # Only into an inbox that asked it something, and once: a second reply, or a forged one into the trainer's
+    # inbox (where its pulled trajectories arrive), is refused.
+    requests = await teacher.nc.subscribe(S.teacher_score)
+    await teacher.nc.flush()
+    asking = asyncio.create_task(trainer.nc.request(S.teacher_score, b"score", timeout=5))
+    request = await requests.next_msg(timeout=5)
+    await request.respond(b"first")
+    assert (await asking).data == b"first"
+    assert await teacher.refused_publish(request.reply, b"second")
+    await assert_refused(teacher, EVERY_RUN_SUBJECT)
+    for subject in ("_INBOX.>", f"_INBOX.{RUN}.trainer.>", f"{RUN}.>", S.traj, S.heartbeat("*", "*")):
+        assert await teacher.refused_subscribe(subject), subject
+    await requests.unsubscribe()
+    # Nobody else asks the teachers or listens to what the trainer asks them.
+    rollout = await prepared("rollout")
+    assert await rollout.refused_subscribe(S.teacher_score)
     assert await stored_messages(setup) == before
 
 

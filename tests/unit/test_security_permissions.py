@@ -40,7 +40,7 @@ def test_only_the_controller_issues_work_and_stop() -> None:
         assert granted == (controller_only if role == "controller" else set()), role
 
 
-@pytest.mark.parametrize("role", ["controller", "trainer", "rollout"])
+@pytest.mark.parametrize("role", ["controller", "trainer", "rollout", "teacher"])
 def test_heartbeats_and_dead_letters_only_under_the_own_role(role: str) -> None:
     own = [s for s in publishes(role) if s.startswith((f"{RUN}.hb.", f"{RUN}.dlq."))]
     assert own == [f"{RUN}.hb.{role}.*", f"{RUN}.dlq.{role}.>"]
@@ -59,11 +59,21 @@ def test_each_role_receives_replies_only_in_its_own_inbox() -> None:
         assert not any(s.startswith("_INBOX") for s in publishes(role))
 
 
+def test_only_the_trainer_asks_the_teachers_and_only_teachers_answer_once() -> None:
+    subject = RunNames(RUN).subjects.teacher_score
+    assert [role for role in ROLES if subject in publishes(role)] == ["trainer"]
+    assert [role for role in ROLES if subject in role_permissions(RUN, role).subscribe_allow] == ["teacher"]
+    # a teacher's reply rides on the server's allow_responses (one per request received), not on an inbox grant
+    assert [role for role in ROLES if role_permissions(RUN, role).allow_responses] == ["teacher"]
+    assert role_permissions(RUN, "teacher").as_config()["allow_responses"] is True
+    assert "allow_responses" not in role_permissions(RUN, "trainer").as_config()
+
+
 def test_kv_keys_have_one_writer() -> None:
     controller = role_permissions(RUN, "controller")
     assert f"$KV.{RUN}_STATE.trainer_version" in controller.publish_deny
     assert [s for s in publishes("trainer") if s.startswith("$KV.")] == [f"$KV.{RUN}_STATE.trainer_version"]
-    assert not any(s.startswith("$KV.") for s in publishes("rollout") + publishes("monitor"))
+    assert not any(s.startswith("$KV.") for s in publishes("rollout") + publishes("monitor") + publishes("teacher"))
 
 
 def test_ephemeral_consumers_only_add_grants() -> None:
