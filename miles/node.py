@@ -1,4 +1,4 @@
-"""``miles-node --role ROLE``: one actor process of a run (controller, rollout, trainer, monitor).
+"""``miles-node --role ROLE``: one actor process of a run (controller, rollout, trainer, monitor, teacher), or setup.
 
 Config is parsed before torch is imported, so ``--help`` and config errors are instant.
 Examples (one nats-server reachable at $NATS)::
