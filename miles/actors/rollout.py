@@ -28,6 +28,7 @@ from miles.actors.rollout_stats import RolloutStats
 from miles.actors.trust import MAX_VERSION_JUMP
 from miles.bus.client import KEY_TRAINER_VERSION
 from miles.bus.dataplane import WeightStore
+from miles.bus.runinfo import RunInfoError, check_worker_config, wait_run_info
 from miles.bus.schema import EvalShardResult, EvalTask, Heartbeat, PromptGroup, Trajectory, WeightsHeld
 from miles.engines.base import SamplingParams, StagingEngine
 from miles.rollout.env import EpisodeSpec
@@ -78,6 +79,13 @@ class RolloutWorker(Actor):
         from miles.tasks.registry import build_task
 
         cfg = self.cfg
+        run_info = await wait_run_info(self.bus.js, self.bus.subjects.run, self.stopping, log=self.log)
+        if run_info is None:  # stopped before the controller wrote it
+            return
+        check_worker_config(run_info, cfg)  # this recipe must be the run's
+        instance = await self.bus.run_instance()
+        if instance is not None and run_info.run_nonce != instance:
+            raise RunInfoError(f"the run info is of run instance {run_info.run_nonce[:8]}..., not {instance[:8]}...")
         model_dir = prepared_model_dir(cfg.model, cfg.task)
         task = build_task(cfg.task, sandbox=cfg.rollout.sandbox)
         await asyncio.to_thread(task.check)
@@ -128,6 +136,11 @@ class RolloutWorker(Actor):
             top_p=sampling.top_p,
             stop_token_ids=stop_token_ids(tokenizer),
         )
+        if params.stop_token_ids != run_info.sampling.stop_token_ids:
+            raise RunInfoError(
+                f"this worker's tokenizer stops at {params.stop_token_ids}, run {cfg.name!r} at "
+                f"{run_info.sampling.stop_token_ids}: another model than the run's"
+            )
         episode = cfg.rollout.episode
         limits = EpisodeLimits(
             max_turns=episode.max_turns,
