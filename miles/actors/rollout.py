@@ -57,6 +57,9 @@ class RolloutWorker(Actor):
         self.weight_group_rank = weight_group_rank  # sync.transport 'broadcast': this worker's rank in the group
         self.stats = RolloutStats()
         self._reported_version = -1  # newest version announced to the controller as held (WeightsHeld)
+        # One reporter at a time: a trajectory may go out only once its versions' reports are *stored*, not
+        # merely claimed by the other reporter whose publish is still in flight (found by tests/conformance).
+        self._report_lock = asyncio.Lock()
 
     def heartbeat(self) -> Heartbeat:
         version = self.engine.version if hasattr(self, "engine") else -1
@@ -223,20 +226,21 @@ class RolloutWorker(Actor):
         ``used``: the versions a group's tokens came from (a version switched in and out within one group is
         reported too). Called before a trajectory goes out, so a worker that produced anything has reported
         the weights it produced it with."""
-        for version in sorted({*used, self.engine.version}):
-            held = self.follower.staged_versions.get(version)
-            if version <= self._reported_version or held is None:
-                continue
-            self._reported_version = version  # first: concurrent reporters never report one twice
-            report = WeightsHeld(
-                worker_id=self.actor_id,
-                version=version,
-                state_digest=held.state_digest,
-                mode=held.mode,
-                fetch_bytes=held.fetch_bytes,
-                pause_s=self.engine.last_pause_s,
-            )
-            await self.bus.publish(self.bus.subjects.weights_held, report)
+        async with self._report_lock:
+            for version in sorted({*used, self.engine.version}):
+                held = self.follower.staged_versions.get(version)
+                if version <= self._reported_version or held is None:
+                    continue
+                report = WeightsHeld(
+                    worker_id=self.actor_id,
+                    version=version,
+                    state_digest=held.state_digest,
+                    mode=held.mode,
+                    fetch_bytes=held.fetch_bytes,
+                    pause_s=self.engine.last_pause_s,
+                )
+                await self.bus.publish(self.bus.subjects.weights_held, report)
+                self._reported_version = version
 
     # ------------------------------------------------------------------ training rollouts
 
