@@ -110,7 +110,7 @@ def check_version(value: Any, what: str) -> int:
     return value
 
 
-# --------------------------------------------------------------------------- signatures (docs/security.md)
+# --------------------------------------------------------------------------- signatures (§ Signatures)
 
 SIGNED_BY = {
     "weights_announced": "trainer",

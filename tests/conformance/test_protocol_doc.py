@@ -8,6 +8,7 @@ definitions (schema, run info, subjects, streams, signing) and name what is miss
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,35 @@ def test_the_consumer_table_is_consumer_configs() -> None:
         for stream, c in consumer_configs(Subjects(RUN), 30.0)
     }
     assert rows == expected
+
+
+def _reference_worker() -> object:
+    import importlib.util
+
+    path = DOC.parents[1] / "examples" / "reference_worker.py"
+    spec = importlib.util.spec_from_file_location("reference_worker", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_reference_worker_verifies_the_documented_test_vector() -> None:
+    """The page's signature test vector, checked by the worker written from the page (not by miles)."""
+    text = DOC.read_text()
+    public = re.search(r"public\n?`(A[A-Z2-7]{55})`", text)
+    payload = re.search(r"payload \(hex\)\n?`([0-9a-f]+)`", text)
+    signature = re.search(r"the signature\n?`([0-9a-f]{128})`", text)
+    assert public and payload and signature, "the test vector is not on the page"
+    ref = _reference_worker()
+    verifier = ref.Verifier(
+        run="demo", nonce="0123456789abcdef0123456789abcdef", keys={"controller": ref.account_key(public[1])}
+    )
+    headers = {"Miles-Signer": "controller", "Miles-Signature": signature[1]}
+    data = bytes.fromhex(payload[1])
+    verifier.check("demo.events.control", data, headers, "control")
+    with pytest.raises(ref.Refused, match="no valid signature"):
+        verifier.check("demo.events.control", data[:-1] + b"\x00", headers, "control")
+    with pytest.raises(ref.Refused, match="no valid signature"):
+        verifier.check("demo.prompts", data, headers, "control")  # bound to its subject
