@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 def test_a_run_completes_with_the_reference_worker_as_its_only_rollout_worker(tmp_path: Path) -> None:
     from miles.prepare import prepare
 
-    cfg = small_run_config(tmp_path / "models", "refrun", **{"rollout.workers": 1, "trainer.steps": 4})
+    cfg = small_run_config(tmp_path / "models", "refrun", **{"rollout.workers": 1, "trainer.steps": 2})
     prepare(cfg)  # for the controller and the trainer; the worker takes everything from the bus
     with EmbeddedNats(tmp_path / "bus") as server:
         cluster = Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=server.url)
