@@ -146,3 +146,16 @@ def test_the_reference_worker_verifies_the_documented_test_vector() -> None:
         verifier.check("demo.events.control", data[:-1] + b"\x00", headers, "control")
     with pytest.raises(ref.Refused, match="no valid signature"):
         verifier.check("demo.prompts", data, headers, "control")  # bound to its subject
+
+
+def test_the_stream_table_is_stream_configs() -> None:
+    rows = {
+        name: (subject, retention, limits, direct)
+        for name, subject, retention, limits, direct in re.findall(
+            r"(?m)^\| `(<run>_[A-Z_]+)` \| `([^`]+)` \| (work queue|limits) \| ([^|]+) \| (yes|no) \|", DOC.read_text()
+        )
+    }
+    for c in stream_configs(Subjects(RUN), 1):
+        retention = "work queue" if c.retention.value == "workqueue" else "limits"
+        limits = f"max age {int(c.max_age // 86400)} days" if c.max_age else "—"
+        assert rows.get(c.name) == (c.subjects[0], retention, limits.strip(), "yes" if c.allow_direct else "no"), c.name
