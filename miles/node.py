@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import socket
@@ -70,14 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     """``miles-node``: run one actor until it ends; returns the exit status."""
     code = _main(argv)
     if _leave_without_static_destructors:
-        # A trainer process has finished, left its process group and flushed nothing yet: flush, then skip
-        # the interpreter's teardown. Under load, a C++ thread of torch's distributed runtime was seen to
-        # abort the process in a static destructor ("terminate called without an active exception") after
-        # every piece of work had completed; the exit status must say how the work went, not that.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        # A trainer process has finished and left its process group: skip torch's static destructors.
+        from miles.backends.distributed import exit_skipping_teardown
+
+        exit_skipping_teardown(code)
     return code
 
 

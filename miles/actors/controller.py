@@ -130,6 +130,7 @@ class Controller(Actor):
             max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.sampling.max_new_tokens,
         )
         self.run_instance = await self.bus.claim_run_instance()
+        await self._publish_run_info()
         # The data plane, read-only: an announced version is believed only if its payload is there.
         self.weights = await WeightStore.create(self.bus.js, self.bus.subjects.run, ensure=False)
         self.weights_delta = self.weights.sibling("delta")
@@ -155,6 +156,21 @@ class Controller(Actor):
             done.set()
             stop_waiter.cancel()
         await asyncio.to_thread(self.record.close)  # idempotent: also after a stop before the end
+
+    async def _publish_run_info(self) -> None:
+        """Write the run info once (kept as it is after a restart): what workers join by (docs/protocol.md)."""
+        from miles.bus.runinfo import RunInfoError, build_run_info, publish_run_info
+        from miles.models.loading import prepared_model_dir
+
+        model_dir = prepared_model_dir(self.cfg.model, self.cfg.task)
+        info, files = await asyncio.to_thread(build_run_info, self.cfg, model_dir, run_nonce=self.run_instance)
+        info = await publish_run_info(self.bus.js, info, files)
+        if info.run_nonce != self.run_instance:
+            raise RunInfoError(
+                f"bucket {self.cfg.name}_RUNINFO names run instance {info.run_nonce[:8]}..., the state bucket "
+                f"{self.run_instance[:8]}...: an earlier run's leftovers; delete that run's streams"
+            )
+        self.log.info("run_info", run_instance=info.run_nonce[:8], task=info.task.type, files=len(info.files))
 
     # ------------------------------------------------------------------ admission
 

@@ -28,6 +28,7 @@ from miles.actors.rollout_stats import RolloutStats
 from miles.actors.trust import MAX_VERSION_JUMP
 from miles.bus.client import KEY_TRAINER_VERSION
 from miles.bus.dataplane import WeightStore
+from miles.bus.runinfo import RunInfoError, check_worker_config, wait_run_info
 from miles.bus.schema import EvalShardResult, EvalTask, Heartbeat, PromptGroup, Trajectory, WeightsHeld
 from miles.engines.base import SamplingParams, StagingEngine
 from miles.rollout.env import EpisodeSpec
@@ -56,6 +57,9 @@ class RolloutWorker(Actor):
         self.weight_group_rank = weight_group_rank  # sync.transport 'broadcast': this worker's rank in the group
         self.stats = RolloutStats()
         self._reported_version = -1  # newest version announced to the controller as held (WeightsHeld)
+        # One reporter at a time: a trajectory may go out only once its versions' reports are *stored*, not
+        # merely claimed by the other reporter whose publish is still in flight (found by tests/conformance).
+        self._report_lock = asyncio.Lock()
 
     def heartbeat(self) -> Heartbeat:
         version = self.engine.version if hasattr(self, "engine") else -1
@@ -78,6 +82,13 @@ class RolloutWorker(Actor):
         from miles.tasks.registry import build_task
 
         cfg = self.cfg
+        run_info = await wait_run_info(self.bus.js, self.bus.subjects.run, self.stopping, log=self.log)
+        if run_info is None:  # stopped before the controller wrote it
+            return
+        check_worker_config(run_info, cfg)  # this recipe must be the run's
+        instance = await self.bus.run_instance()
+        if instance is not None and run_info.run_nonce != instance:
+            raise RunInfoError(f"the run info is of run instance {run_info.run_nonce[:8]}..., not {instance[:8]}...")
         model_dir = prepared_model_dir(cfg.model, cfg.task)
         task = build_task(cfg.task, sandbox=cfg.rollout.sandbox)
         await asyncio.to_thread(task.check)
@@ -128,6 +139,11 @@ class RolloutWorker(Actor):
             top_p=sampling.top_p,
             stop_token_ids=stop_token_ids(tokenizer),
         )
+        if params.stop_token_ids != run_info.sampling.stop_token_ids:
+            raise RunInfoError(
+                f"this worker's tokenizer stops at {params.stop_token_ids}, run {cfg.name!r} at "
+                f"{run_info.sampling.stop_token_ids}: another model than the run's"
+            )
         episode = cfg.rollout.episode
         limits = EpisodeLimits(
             max_turns=episode.max_turns,
@@ -210,20 +226,21 @@ class RolloutWorker(Actor):
         ``used``: the versions a group's tokens came from (a version switched in and out within one group is
         reported too). Called before a trajectory goes out, so a worker that produced anything has reported
         the weights it produced it with."""
-        for version in sorted({*used, self.engine.version}):
-            held = self.follower.staged_versions.get(version)
-            if version <= self._reported_version or held is None:
-                continue
-            self._reported_version = version  # first: concurrent reporters never report one twice
-            report = WeightsHeld(
-                worker_id=self.actor_id,
-                version=version,
-                state_digest=held.state_digest,
-                mode=held.mode,
-                fetch_bytes=held.fetch_bytes,
-                pause_s=self.engine.last_pause_s,
-            )
-            await self.bus.publish(self.bus.subjects.weights_held, report)
+        async with self._report_lock:
+            for version in sorted({*used, self.engine.version}):
+                held = self.follower.staged_versions.get(version)
+                if version <= self._reported_version or held is None:
+                    continue
+                report = WeightsHeld(
+                    worker_id=self.actor_id,
+                    version=version,
+                    state_digest=held.state_digest,
+                    mode=held.mode,
+                    fetch_bytes=held.fetch_bytes,
+                    pause_s=self.engine.last_pause_s,
+                )
+                await self.bus.publish(self.bus.subjects.weights_held, report)
+                self._reported_version = version
 
     # ------------------------------------------------------------------ training rollouts
 

@@ -3,7 +3,7 @@
 Wire form: a msgpack map ``{"schema": SCHEMA_VERSION, "kind": "<kind>", ...fields}``. The ``kind``
 tag lets a consumer reject a message of the wrong type on its subject; ``schema`` lets it reject a
 producer from an incompatible release. Both failures raise :class:`SchemaError`, which consumers
-turn into a dead-letter entry (see :mod:`miles.bus.deadletter`), never a crash.
+turn into a dead-letter entry (:meth:`miles.bus.client.Bus.refuse`), never a crash.
 docs/protocol.md is the language-neutral description of these models.
 """
 
@@ -312,7 +312,7 @@ class WeightsHeld(Message):
 
 
 class Heartbeat(Message):
-    """Liveness and state of one actor. Subject ``<run>.events.heartbeat.<role>.<actor_id>``."""
+    """Liveness and state of one actor. Subject ``<run>.hb.<role>.<actor_id>`` (core NATS)."""
 
     KIND: ClassVar[str] = "heartbeat"
     role: str
@@ -324,7 +324,7 @@ class Heartbeat(Message):
 
 
 class GroupsDiscarded(Message):
-    """Trainer rejected groups as too stale. Subject ``<run>.events.discarded``."""
+    """Groups the trainer will not train (stale, no signal, invalid). Subject ``<run>.events.discarded``."""
 
     KIND: ClassVar[str] = "groups_discarded"
     group_ids: list[Annotated[str, Field(pattern=r"^g[0-9]+$")]]

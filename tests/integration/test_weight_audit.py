@@ -90,8 +90,17 @@ async def test_controller_flags_a_worker_holding_other_weights(nats_server: str,
             "monitor.plots=false",
             "bus.heartbeat_s=0.2",
             "eval.final_timeout_s=0.5",  # no rollout worker here plays the final evaluation
+            # the controller publishes the model's tokenizer and config in the run info: a small one, built here
+            f"model.cache_dir={tmp_path / 'models'}",
+            "model.hidden_size=16",
+            "model.num_layers=1",
+            "model.num_heads=2",
+            "model.warmup_steps=1",
         ],
     )
+    from miles.prepare import prepare
+
+    await asyncio.to_thread(prepare, cfg)
     s = peer.subjects
     published = _published_state()
     digest = state_digest(published)
@@ -204,7 +213,7 @@ async def test_the_controllers_durables_resume_where_they_stopped(peer: Bus) -> 
         done = asyncio.Event()
         messages = pull_messages(peer, s.events_stream, s.CONTROLLER_WEIGHTS_CONSUMER, done)
         msg = await asyncio.wait_for(anext(messages), 10)
-        await msg.ack()
+        await msg.ack_sync()  # confirmed by the server: a plain ack may still be in flight at consumer_info
         done.set()
         await messages.aclose()
         return decode(msg.data, WeightsHeld).version

@@ -44,3 +44,11 @@ def test_splits_are_disjoint_and_the_config_selects_the_task() -> None:
     assert not {s.prompt for s in task.samples("train")} & {s.prompt for s in task.samples("eval")}
     with pytest.raises(ValueError, match="eval_size"):
         ScratchpadTask(ScratchpadTaskConfig(max_operand=3, eval_size=16))
+
+
+def test_run_info_names_the_committed_answer_reward_not_exact_match() -> None:
+    from miles.bus.runinfo import task_info
+
+    info = task_info(ScratchpadTaskConfig(train_size=10, eval_size=5))
+    # a worker written from docs/protocol.md that scored exact_match would score "add 1 and 2; #3" as 0
+    assert (info.type, info.environment, info.reward) == ("scratchpad", "single_turn", "committed_answer")
