@@ -101,9 +101,12 @@ async def run_mode(
     return figures, [g.output_ids for g in gens]
 
 
-async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    cfg = RunConfig(task=CopyTaskConfig(), model=TinyModelConfig())
-    model_dir = prepare_model(cfg)
+def bench_config() -> RunConfig:
+    return RunConfig(task=CopyTaskConfig(), model=TinyModelConfig())
+
+
+async def benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    cfg = bench_config()
     task_cfg = cfg.task
     model, tokenizer = load_policy(model_dir)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -179,7 +182,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here (it is printed either way)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    result = asyncio.run(benchmark(args))
+    # Built (or found in the cache) before the event loop starts: the warm-up runs its own loop.
+    model_dir = prepare_model(bench_config())
+    result = asyncio.run(benchmark(args, model_dir))
     text = json.dumps(result, indent=2)
     print(text)
     if args.out is not None:

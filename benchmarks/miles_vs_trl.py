@@ -26,9 +26,16 @@ that merely used more cores.
 Wall times: ``process_wall_s`` is measured here for both sides alike (start-up, model load, the
 evaluations and training) and is the one the ratio uses; ``wall_s`` is what each side reports itself
 (Miles: from its controller's start to the summary; TRL: from interpreter start, imports included).
-Miles' ``step_s`` runs from one optimizer step's end to the next, so it includes the previous step's
-checkpoint, weight publish and any periodic evaluation (``trainer.eval_every``); TRL's includes its
-generation, scoring and update, and the run has no intermediate evaluations.
+Time per step, both sides from their second step on (the first pays each side's start-up):
+
+* Miles: the interval between consecutive steps' records in ``metrics.jsonl`` (``time``, when the
+  controller received each step's report), so it covers everything the trainer does per step: waiting
+  for trajectories, the update, the weight export and publish, the acks, the periodic checkpoint
+  (``trainer.checkpoint_every``); the periodic evaluations (``eval.every``) run on the rollout workers
+  meanwhile and cost the step only the CPU they take. The trainer's own ``step_s`` misses the step's
+  acks, report and checkpoint (it ends at the publish); it is kept as ``trainer_step_s_*``.
+* TRL: the interval between consecutive ``on_step_end`` callbacks: generation, scoring, the update and
+  TRL's logging; it saves nothing and evaluates only before and after.
 
 The model is built (or found in the cache) before either run, so neither pays the one-off build.
 If the Miles run fails the TRL side still runs; the failure is reported and the exit status is 1.
@@ -164,16 +171,21 @@ def run_miles(
     summary = json.loads(summary_path.read_text())
     raw = metrics_path.read_text().splitlines() if metrics_path.is_file() else []
     lines = [json.loads(x) for x in raw if x.strip()]
+    lines.sort(key=lambda x: x["step"])
     step_s = [float(x["step_s"]) for x in lines if x.get("step_s") is not None]
+    times = [float(x["time"]) for x in lines]
+    cadence = [b - a for a, b in zip(times, times[1:], strict=False)]  # step 1 on: see the module docstring
     out.update(
         eval_before=summary.get("eval_before"),
         eval_after=summary.get("eval_after"),
         eval_after_version=summary.get("eval_after_version"),
         steps=len(lines),
         wall_s=summary.get("wall_s"),
-        step_s_mean=statistics.fmean(step_s) if step_s else None,
-        step_s_median=statistics.median(step_s) if step_s else None,
-        step_s=[round(s, 4) for s in step_s],
+        step_s_mean=statistics.fmean(cadence) if cadence else None,
+        step_s_median=statistics.median(cadence) if cadence else None,
+        step_s=[round(s, 4) for s in cadence],
+        trainer_step_s_mean=statistics.fmean(step_s) if step_s else None,
+        trainer_step_s_median=statistics.median(step_s) if step_s else None,
         samples=summary.get("samples_trained", sum(int(x.get("samples", 0)) for x in lines)),
         staleness_mean=summary.get("staleness_mean"),
         trajectories_dropped=summary.get("trajectories_dropped"),

@@ -213,6 +213,11 @@ class TrainerLeader(Actor):
                     batch = await sub.fetch(want - len(trajs), timeout=0.5)
                 except asyncio.TimeoutError:
                     continue
+                # nats-py's fetch also returns what earlier timed-out pulls left queued, so more than asked: a step
+                # takes exactly `want` (the controller issues steps x want in all; a surplus starves the last step).
+                batch, surplus = batch[: want - len(trajs)], batch[want - len(trajs) :]
+                for m in surplus:
+                    await m.nak()
                 for m in batch:
                     traj = await self._accept(m)
                     if traj is None:
