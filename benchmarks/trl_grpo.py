@@ -55,12 +55,10 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+from miles.algo.config import GrpoAdvantage, GrpoNoStdAdvantage, PpoClipLoss  # noqa: E402
 from miles.config import (  # noqa: E402
     ConfigError,
     FsdpBackendConfig,
-    GrpoAdvantage,
-    GrpoNoStdAdvantage,
-    PpoClipLoss,
     RunConfig,
     add_override_option,
     load_config,
