@@ -272,13 +272,20 @@ def test_megatron_accepts_the_translated_config(hf: dict) -> None:
 def test_miles_prepare_without_a_gpu_exits_2_with_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    import structlog
     import torch
 
     from miles.cli import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     recipe = str(Path(__file__).parents[2] / "recipes" / "quickstart.yaml")
-    assert main(["prepare", recipe, "--set", "trainer.backend.type=megatron"]) == 2
+    saved = structlog.get_config()
+    try:
+        assert main(["prepare", recipe, "--set", "trainer.backend.type=megatron"]) == 2
+    finally:
+        # main() points structlog at this test's captured stderr, closed once the test ends: every later
+        # test that logs would fail with "I/O operation on closed file"
+        structlog.configure(**saved)
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert errors == [
         "miles: error: trainer.backend.type=megatron needs a CUDA GPU (none is visible); use trainer.backend.type=fsdp"
