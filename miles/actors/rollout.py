@@ -112,7 +112,7 @@ class RolloutWorker(Actor):
             max_new_tokens=sampling.max_new_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
-            stop_token_ids=stop_token_ids(tokenizer),
+            stop_token_ids=stop_token_ids(tokenizer, model_dir),
         )
         episode = cfg.rollout.episode
         limits = EpisodeLimits(

@@ -39,6 +39,7 @@ from miles.bus.schema import (
     encode,
 )
 from miles.failpoints import failpoint
+from miles.models.families.registry import family_of
 from miles.sync.publisher import Lineage, Published, WeightPublisher, announce, delta_keep_versions
 from miles.sync.stream_export import PayloadLayout
 from miles.sync.transport import FallbackTransport, WeightTransport
@@ -310,7 +311,8 @@ class TrainerLeader(Actor):
 
     async def _stream(self, version: int, lineage: Lineage) -> Published:
         precision = self.cfg.sync.dtype
-        layout = PayloadLayout.plan(self.ranks.worker.backend.export_specs(), precision, version)
+        family = family_of(self.cfg.model)  # its quantization rule picks what FP8/FP4 quantize
+        layout = PayloadLayout.plan(self.ranks.worker.backend.export_specs(), precision, version, family)
         out = await self.transport.publish(layout, lambda: self.ranks.export_stream(False), run=self.ranks.run)
         announcement = WeightsAnnounced(
             **out.announcement_fields(),
@@ -335,7 +337,7 @@ class TrainerLeader(Actor):
         sync = self.cfg.sync
         state = await self.ranks.call("export", sync.mode == "lora")
         if sync.mode != "lora" and is_quantized(sync.dtype):
-            return await asyncio.to_thread(to_rollout_state, state, sync.dtype)
+            return await asyncio.to_thread(to_rollout_state, state, sync.dtype, family_of(self.cfg.model))
         dtype = getattr(torch, "bfloat16" if is_quantized(sync.dtype) else sync.dtype)
         return {name: t.to(dtype) for name, t in state.items()}
 
