@@ -339,7 +339,9 @@ class TrainerLeader(Actor):
         if sync.mode != "lora" and is_quantized(sync.dtype):
             return await asyncio.to_thread(to_rollout_state, state, sync.dtype, family_of(self.cfg.model))
         dtype = getattr(torch, "bfloat16" if is_quantized(sync.dtype) else sync.dtype)
-        return {name: t.to(dtype) for name, t in state.items()}
+        # A copy even where the dtype already matches (float32 sync): an unsharded export may yield the live
+        # parameters, and the publisher keeps this state as the base of the next delta across the next step.
+        return {name: t.to(dtype, copy=True) for name, t in state.items()}
 
     async def _make_transport(self, *, first_start: bool) -> WeightTransport:
         """The full-mode payload transport of ``sync.transport``. A weight-update group forms once, at the run's
