@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field, Tag, ValidationError, model_validator
 from miles.config_base import Strict, variant
 from miles.models.families.config import FamilyModelConfig
 from miles.sandbox.config import SandboxConfig
+from miles.security.config import BusSecurityFields
 from miles.tasks.terminal.config import TerminalTaskConfig
 
 _variant = variant
@@ -553,7 +554,9 @@ class SyncConfig(Strict):
     )
 
 
-class BusConfig(Strict):
+class BusConfig(BusSecurityFields):
+    """How actors reach NATS and who they are on it (per-role identities: docs/security.md)."""
+
     nats_url: str | None = Field(None, description="Join this NATS server/cluster; None starts an embedded one.")
     creds: str | None = Field(None, description="NATS credentials file.")
     tls_ca: str | None = Field(None, description="CA bundle for TLS.")
@@ -563,6 +566,13 @@ class BusConfig(Strict):
     ack_wait_s: float = Field(30.0, gt=0, description="Redelivery delay of an unacked prompt or trajectory.")
     heartbeat_s: float = Field(1.0, gt=0, description="Actor heartbeat period.")
     max_payload_mb: int = Field(8, ge=1, description="max_payload of the embedded server (weight chunk size follows).")
+    secure: bool = Field(
+        True,
+        description="`miles run` with its embedded server: generate the run's credentials bundle in <run dir>/auth "
+        "(kept across restarts of the run), start the server with per-role logins and mutual TLS, and have the "
+        "trainer and the controller sign what the others must believe (docs/security.md). false: an open loopback "
+        "server, no identities, no signatures. Ignored when bus.nats_url or bus.credentials_dir is set.",
+    )
 
 
 class MonitorConfig(Strict):

@@ -140,13 +140,21 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path) -> Path:
 async def run_local(cfg: RunConfig, run_dir: Path, nats_url: str | None, *, quiet: bool = False) -> int:
     """Run a whole job on this machine; returns the process exit status."""
     from miles.bus.server import EmbeddedNats
+    from miles.bus.setup import setup_run
     from miles.progress import ProgressView
 
+    server_config = ""
+    if nats_url is None and cfg.bus.secure and cfg.bus.credentials_dir is None:
+        server_config = await asyncio.to_thread(ensure_local_bundle, cfg, run_dir)
     config_path = prepare_run_dir(cfg, run_dir)
     async with contextlib.AsyncExitStack() as stack:
         if nats_url is None:
-            server = await stack.enter_async_context(EmbeddedNats(run_dir, max_payload=cfg.bus.max_payload_mb * 2**20))
+            max_payload = cfg.bus.max_payload_mb * 2**20
+            embedded = EmbeddedNats(run_dir, max_payload=max_payload, extra_config=server_config)
+            server = await stack.enter_async_context(embedded)
             nats_url = server.url
+        if cfg.bus.credentials_dir is None or (Path(cfg.bus.credentials_dir) / "setup").is_dir():
+            await setup_run(cfg.bus, nats_url, cfg.name)  # else the run's operator set it up already
         children = spawn_actors(cfg, config_path, run_dir, nats_url)
         view = ProgressView(cfg, nats_url, quiet=quiet)
         try:
@@ -167,6 +175,18 @@ async def run_local(cfg: RunConfig, run_dir: Path, nats_url: str | None, *, quie
     if status == 0 and summary is not None:
         view.print_summary(summary, run_dir)
     return status
+
+
+def ensure_local_bundle(cfg: RunConfig, run_dir: Path) -> str:
+    """The run's credentials bundle in ``<run dir>/auth`` (made on the first start, kept on a restart, so the
+    run instance stays the same) and the embedded server's config for it; points ``cfg.bus`` at it."""
+    from miles.security.bundle import BUNDLE_FILE, server_config, write_bundle
+
+    auth = run_dir / "auth"
+    if not (auth / BUNDLE_FILE).exists():
+        write_bundle(auth, cfg.name)
+    cfg.bus.credentials_dir = str(auth.absolute())
+    return server_config(auth)
 
 
 def write_incomplete_summary(path: Path, summary: dict | None, reason: str) -> dict:

@@ -29,3 +29,10 @@ def configure_logging(*, json_lines: bool | None = None, level: str = "info", st
         logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=True,
     )
+    logging.getLogger("asyncio").addFilter(_quiet_tls_close)
+
+
+def _quiet_tls_close(record: logging.LogRecord) -> bool:
+    """asyncio warns on every TLS connection a server closes first (each actor's, at the end of a run);
+    the close is expected and the line is noise."""
+    return "eof_received() has no effect when using ssl" not in record.getMessage()

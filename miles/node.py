@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import socket
@@ -28,12 +27,17 @@ if TYPE_CHECKING:  # keep `miles-node --help` free of torch and nats imports
     from miles.bus.client import Bus
     from miles.training.rank_worker import RankWorker
 
-ROLES = ("controller", "rollout", "trainer", "monitor")
+ROLES = ("controller", "rollout", "trainer", "monitor", "setup")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="miles-node", description="Run one Miles actor process.")
-    p.add_argument("--role", required=True, choices=ROLES, help="Which actor this process runs.")
+    p.add_argument(
+        "--role",
+        required=True,
+        choices=ROLES,
+        help="Which actor this process runs; setup: create the run's streams and buckets once, then exit.",
+    )
     p.add_argument("--config", "-c", help="YAML recipe (defaults if omitted).")
     add_override_option(p)
     p.add_argument("--run-dir", default="runs/default", help="Run directory (logs, checkpoints, metrics).")
@@ -65,14 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     """``miles-node``: run one actor until it ends; returns the exit status."""
     code = _main(argv)
     if _leave_without_static_destructors:
-        # A trainer process has finished, left its process group and flushed nothing yet: flush, then skip
-        # the interpreter's teardown. Under load, a C++ thread of torch's distributed runtime was seen to
-        # abort the process in a static destructor ("terminate called without an active exception") after
-        # every piece of work had completed; the exit status must say how the work went, not that.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        # A trainer process has finished and left its process group: skip torch's static destructors.
+        from miles.backends.distributed import exit_skipping_teardown
+
+        exit_skipping_teardown(code)
     return code
 
 
@@ -106,6 +106,8 @@ def _main(argv: list[str] | None) -> int:
     from miles.bus.errors import BusError
     from miles.models.loading import ModelNotFoundError, ModelNotPrepared
 
+    if args.role == "setup":
+        return _setup(cfg, args.nats_url)
     try:
         worker = _build_rank_worker(cfg, args, run_dir) if args.role == "trainer" else None
     except (BackendUnavailable, ModelNotFoundError, ModelNotPrepared) as exc:
@@ -141,7 +143,7 @@ async def _run_actor(
 ) -> int:
     from miles.bus.client import Bus
 
-    bus = await Bus.open(cfg.bus, args.nats_url, cfg.name, actor_id)
+    bus = await Bus.open(cfg.bus, args.nats_url, cfg.name, actor_id, role=args.role)
     try:
         actor = _build_actor(cfg, args, bus, run_dir, worker)
         loop = asyncio.get_running_loop()
@@ -150,6 +152,18 @@ async def _run_actor(
         await actor.run()
     finally:
         await bus.close()
+    return 0
+
+
+def _setup(cfg: RunConfig, nats_url: str) -> int:
+    from miles.bus.errors import BusError
+    from miles.bus.setup import setup_run
+
+    try:
+        asyncio.run(setup_run(cfg.bus, nats_url, cfg.name))
+    except BusError as exc:
+        print(f"miles-node: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -18,8 +18,11 @@ import nats.errors
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from miles.bus.errors import BusError
+from miles.bus.follow import follow
 from miles.bus.schema import EvalResult, SchemaError, StepMetrics, decode_any
 from miles.config import RunConfig
+from miles.security.signing import SignatureError
 
 
 def is_multi_turn(cfg: RunConfig) -> bool:
@@ -63,8 +66,10 @@ class ProgressView:
         self.quiet = quiet
         self.console = Console(stderr=True)
         self.live = self.console.is_terminal and not quiet
-        self._nc: Any = None
-        self._sub: Any = None
+        self._bus: Any = None
+        self._reader: asyncio.Task[None] | None = None
+        self._inbox: asyncio.Queue[Any] = asyncio.Queue()
+        self._done = asyncio.Event()
         self._progress: Progress | None = None
         self._task: Any = None
         self.last_eval: float | None = None
@@ -73,24 +78,16 @@ class ProgressView:
         self._print_every = max(1, cfg.trainer.steps // 20)  # plain (non-terminal) output: ~20 lines
 
     async def start(self) -> None:
-        from miles.bus.connect import connect
-        from miles.bus.subjects import Subjects
+        from miles.bus.client import Bus
 
-        subjects = Subjects(self.cfg.name)
         self.console.print(
             f"[bold]miles run[/] {self.cfg.name}: {self.cfg.trainer.steps} steps, "
             f"{self.cfg.rollout.workers} rollout workers, {self.cfg.trainer.ranks} trainer rank(s), "
             f"max_staleness={self.cfg.staleness.max_staleness}; bus {self.nats_url}"
         )
-        self._nc = await connect(self.nats_url, name=f"{self.cfg.name}:launcher")
-        js = self._nc.jetstream()
-        # The metrics stream is created by the actors; wait until one of them has done so.
-        for _ in range(600):
-            try:
-                self._sub = await js.subscribe(subjects.metrics_all, ordered_consumer=True)
-                break
-            except nats.errors.Error:  # no stream for the subject yet
-                await asyncio.sleep(0.2)
+        # An observer like `miles top`: the monitor's identity (read-only) when the run has credentials.
+        self._bus = await Bus.open(self.cfg.bus, self.nats_url, self.cfg.name, "launcher", role="monitor")
+        self._reader = asyncio.create_task(self._read(), name="progress.metrics")
         if self.live:
             self._progress = Progress(
                 TextColumn("[bold]train"),
@@ -104,16 +101,23 @@ class ProgressView:
             self._progress.start()
             self._task = self._progress.add_task("train", total=self.cfg.trainer.steps, info="starting actors...")
 
-    async def refresh(self) -> None:
-        if self._sub is None:
-            return
-        while True:
+    async def _read(self) -> None:
+        """Queue every metrics message, in order, for :meth:`refresh` (skipping unverifiable ones)."""
+        s = self._bus.subjects
+        async for raw in follow(self._bus.nc, self._bus.js, s.metrics_stream, s.metrics_all, self._done, start="first"):
             try:
-                msg = await self._sub.next_msg(timeout=0.01)
-            except (asyncio.TimeoutError, nats.errors.Error):  # nothing new, or the bus went away with the run
-                return
-            with contextlib.suppress(SchemaError):
-                self._show(decode_any(msg.data))
+                message = decode_any(raw.data)
+                self._bus.check_signature(raw, message.KIND)
+            except (SchemaError, SignatureError):
+                continue
+            self._inbox.put_nowait(message)
+
+    async def refresh(self) -> None:
+        if self._reader is not None and self._reader.done() and not self._reader.cancelled():
+            if (exc := self._reader.exception()) is not None and not self._done.is_set():
+                raise exc  # the view cannot follow the run: say so rather than show a frozen bar
+        while not self._inbox.empty():
+            self._show(self._inbox.get_nowait())
 
     def _show(self, message: Any) -> None:
         if isinstance(message, EvalResult):
@@ -163,6 +167,8 @@ class ProgressView:
         )
         parts = [f"{k}={summary.get(k)!r}" for k in keys]
         print("summary: " + " ".join(parts), file=sys.stderr)
+        for alarm in summary.get("alarms") or []:
+            self.console.print(f"[bold red]ALARM:[/] {alarm}")
         print(
             f"run directory: {run_dir} (metrics.jsonl, evals.jsonl, summary.json, plots, logs/)",
             file=sys.stderr,
@@ -174,8 +180,13 @@ class ProgressView:
             self._progress = None
 
     async def close(self) -> None:
-        await self.refresh()
+        with contextlib.suppress(nats.errors.Error, BusError):  # the bus may have gone away with the run
+            await self.refresh()
         self._stop_bar()
-        if self._nc is not None:
+        self._done.set()
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        if self._bus is not None:
             with contextlib.suppress(nats.errors.Error):
-                await self._nc.close()
+                await self._bus.nc.close()

@@ -29,6 +29,7 @@ class Actor(ABC):
     """Base of controller, rollout, trainer and monitor."""
 
     role: ClassVar[str]
+    heartbeats: ClassVar[bool] = True  # False: an observer that publishes nothing (the monitor)
 
     def __init__(self, cfg: RunConfig, bus: Bus, run_dir: Path) -> None:
         self.cfg = cfg
@@ -52,7 +53,8 @@ class Actor(ABC):
         self.log.info("actor_start")
         try:
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._heartbeat_loop(), name=f"{self.role}.heartbeat")
+                if self.heartbeats:
+                    tg.create_task(self._heartbeat_loop(), name=f"{self.role}.heartbeat")
                 tg.create_task(self._control_loop(), name=f"{self.role}.control")
                 tg.create_task(self._run_main(), name=f"{self.role}.main")
         finally:
@@ -83,11 +85,19 @@ class Actor(ABC):
                 await asyncio.wait_for(self._finished.wait(), timeout=self.cfg.bus.heartbeat_s)
 
     async def _control_loop(self) -> None:
-        """Obey run-wide ``stop`` commands (core subscription: only live actors need them)."""
+        """Obey run-wide ``stop`` commands of this run instance (core subscription: only live actors need
+        them). A command without the instance, or for another (an earlier run under the same name), is
+        refused; with the run's keys it must also carry the controller's signature (:meth:`Bus.accept`)."""
         sub = await self.bus.nc.subscribe(self.bus.subjects.control)
         async for msg in messages_until(sub, self._finished):
-            control = await self.bus.decode_or_dead_letter(msg, Control)
-            if control is not None and control.command == "stop":
+            control = await self.bus.accept(msg, Control)
+            if control is None:
+                continue
+            instance = await self.bus.run_instance()
+            if instance is None or control.run_instance != instance:
+                reason = f"control: for run instance {control.run_instance[:8] or '(none)'}, not this one"
+                await self.bus.refuse(msg, reason, category="untrusted")
+            elif control.command == "stop":
                 self.request_stop(control.reason or "control: stop")
 
     # ------------------------------------------------------------------ helpers for subclasses

@@ -22,37 +22,43 @@ import asyncio
 import contextlib
 import json
 import random
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from nats.aio.msg import Msg
-from nats.js.api import ConsumerConfig, DeliverPolicy
 
+from miles.actors import trust
 from miles.actors.base import Actor
 from miles.actors.evaluations import EvalCoordinator
 from miles.actors.run_record import RunRecord
 from miles.actors.weight_audit import WeightAudit
-from miles.bus.client import KEY_STATUS, Bus, messages_until
+from miles.bus.client import KEY_GROUPS_ISSUED, KEY_STATUS, Bus, messages_until
+from miles.bus.dataplane import WeightStore
+from miles.bus.errors import PayloadMissing
+from miles.bus.follow import follow
 from miles.bus.schema import (
     Control,
     EvalResult,
     EvalShardResult,
     GroupsDiscarded,
     Heartbeat,
+    Message,
     PromptGroup,
-    SchemaError,
     StepMetrics,
     TrainerDone,
     WeightsAnnounced,
     WeightsHeld,
-    decode_any,
 )
 from miles.tasks.base import Sample
+from miles.training.lineage import IndexSet
 
 KEY_CONTROLLER = "controller_state"
 KEEP_VERSIONS = 256  # version -> step entries remembered (lags of workers a few versions behind)
+VERSION_WAIT_S = 10.0  # how long a step report or trainer_done may overtake its announcement
+WORKER_TIMEOUT_S = 60.0  # a rollout worker unheard of for this long is no longer live
 
 
 @dataclass(slots=True)
@@ -64,6 +70,7 @@ class AdmissionState:
     cursor: int = 0  # position in the endless shuffled stream of train samples
     reissue: list[str] = field(default_factory=list)  # sample ids waiting to be issued again
     attempts: dict[str, int] = field(default_factory=dict)  # sample id -> re-issues so far (bounded by reissue)
+    resolved: dict[str, Any] = field(default_factory=lambda: IndexSet().to_json())  # issue indices trained or discarded
 
 
 def admission_limit(step: int, max_staleness: int, groups_per_step: int, steps: int) -> int:
@@ -80,7 +87,10 @@ class Controller(Actor):
         self.trainer_version = -1
         self.trainer_step = 0
         self.version_steps: OrderedDict[int, int] = OrderedDict()  # announced version -> its lineage step
-        self.workers: dict[str, Heartbeat] = {}
+        self._version_changed = asyncio.Condition()
+        self.workers: dict[str, Heartbeat] = {}  # live rollout workers' latest heartbeats
+        self.peers: dict[str, Heartbeat] = {}  # every other actor's latest heartbeat (their refusal counts)
+        self.resolved = IndexSet()
         self._wake = asyncio.Event()
         self._admit_open = asyncio.Event()  # set once the initial evaluation is in (or on a resumed run)
         self.record = RunRecord(
@@ -95,8 +105,8 @@ class Controller(Actor):
         stats = {
             "issued": float(self.state.issued),
             "discarded": float(self.state.discarded),
-            "dead_lettered": float(self.bus.dead_lettered),
             "trainer_step": float(self.trainer_step),
+            **self.bus.refusal_stats(),
             **self.audit.stats(),
         }
         if hasattr(self, "evals"):
@@ -118,9 +128,14 @@ class Controller(Actor):
             shard_size=cfg.eval.shard_size,
             max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.sampling.max_new_tokens,
         )
+        self.run_instance = await self.bus.claim_run_instance()
+        # The data plane, read-only: an announced version is believed only if its payload is there.
+        self.weights = await WeightStore.create(self.bus.js, self.bus.subjects.run, ensure=False)
+        self.weights_delta = self.weights.sibling("delta")
         raw = await self.bus.get_str(KEY_CONTROLLER)
         if raw:
             self.state = AdmissionState(**json.loads(raw))
+            self.resolved = IndexSet.from_json(self.state.resolved)
             self._admit_open.set()  # the initial evaluation happened before the first issue
             self.log.info("controller_resumed", issued=self.state.issued, cursor=self.state.cursor)
         await self.bus.put_str(KEY_STATUS, "running")
@@ -167,7 +182,12 @@ class Controller(Actor):
                 self.trainer_step, self.cfg.staleness.max_staleness, trainer.groups_per_step, trainer.steps
             )
             issued_any = False
-            while self.state.issued - self.state.discarded < limit and not done.is_set() and self.trainer_version >= 0:
+            window = self.state.issued + max(0, limit - (self.state.issued - self.state.discarded))
+            if window > self.state.issued and self.trainer_version >= 0:
+                # Open the trainer's issue window before the prompts go out: their trajectories can be back
+                # before this batch ends, and one past the window is refused as never issued.
+                await self.bus.put_int(KEY_GROUPS_ISSUED, window)
+            while self.state.issued < window and not done.is_set() and self.trainer_version >= 0:
                 sample, attempt = self._next_sample()
                 group = PromptGroup(
                     group_id=f"g{self.state.issued}",
@@ -185,35 +205,68 @@ class Controller(Actor):
                 self.state.issued += 1
                 issued_any = True
             if issued_any:
-                await self.bus.put_str(KEY_CONTROLLER, json.dumps(asdict(self.state)))
+                await self._save_state()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=1.0)
 
     # ------------------------------------------------------------------ inputs
 
+    async def _save_state(self) -> None:
+        self.state.resolved = self.resolved.to_json()
+        await self.bus.put_str(KEY_CONTROLLER, json.dumps(asdict(self.state)))
+
     async def _follow_versions(self, done: asyncio.Event) -> None:
-        config = ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
-        sub = await self.bus.js.subscribe(self.bus.subjects.weights, ordered_consumer=True, config=config)
-        async for msg in messages_until(sub, done):
-            ann = await self.bus.decode_or_dead_letter(msg, WeightsAnnounced)
-            if ann is None:
+        """Take the trainer's version from its announcements, newest first, then every new one in order."""
+        s = self.bus.subjects
+        async for raw in follow(self.bus.nc, self.bus.js, s.events_stream, s.weights, done, start="last"):
+            ann = await self.bus.accept(raw, WeightsAnnounced)
+            if ann is None or ann.version <= self.trainer_version:
+                continue  # refused, or a version seen already (a replayed older announcement changes nothing)
+            refusal = trust.announcement_refusal(
+                ann, newest=self.trainer_version, max_steps=self.cfg.trainer.steps, stored=await self._stored(ann)
+            )
+            if refusal is not None:
+                await self.bus.refuse(raw, f"weights_announced: {refusal}", category="untrusted")
                 continue
-            self.audit.announce(ann)
-            totals = self.sync_bytes.setdefault(ann.mode, {"versions": 0, "bytes": 0, "max": 0})
-            totals["versions"] += 1
-            totals["bytes"] += ann.size
-            totals["max"] = max(totals["max"], ann.size)
-            self.version_steps[ann.version] = ann.step
-            while len(self.version_steps) > KEEP_VERSIONS:
-                self.version_steps.popitem(last=False)
-            if ann.version > self.trainer_version:
-                first = self.trainer_version < 0
-                self.trainer_version, self.trainer_step = ann.version, ann.step
-                self._wake.set()
-                if first and not self._admit_open.is_set():
-                    self._tasks.create_task(self._initial_eval(ann.version, done), name="controller.initial_eval")
-                elif not ann.replayed and self.evals.due(ann.step, self.cfg.trainer.steps) and ann.step > 0:
-                    await self.evals.request(ann.version)
+            await self._adopt(ann, done)
+
+    async def _stored(self, ann: WeightsAnnounced) -> tuple[str, int] | None | bool:
+        """What the data plane holds for ``ann``'s version (see :func:`trust.announcement_refusal`)."""
+        if ann.transport != "bus":
+            return True  # fs or broadcast: nothing on the bus to look up (the signature vouches for it)
+        store = self.weights_delta if ann.mode == "delta" else self.weights
+        try:
+            info = await store.info(ann.version)
+        except PayloadMissing:
+            return None
+        return info.digest, info.size
+
+    async def _adopt(self, ann: WeightsAnnounced, done: asyncio.Event) -> None:
+        self.audit.announce(ann)
+        totals = self.sync_bytes.setdefault(ann.mode, {"versions": 0, "bytes": 0, "max": 0})
+        totals["versions"] += 1
+        totals["bytes"] += ann.size
+        totals["max"] = max(totals["max"], ann.size)
+        self.version_steps[ann.version] = ann.step
+        while len(self.version_steps) > KEEP_VERSIONS:
+            self.version_steps.popitem(last=False)
+        first = self.trainer_version < 0
+        self.trainer_version, self.trainer_step = ann.version, ann.step
+        async with self._version_changed:
+            self._version_changed.notify_all()
+        self._wake.set()
+        if first and not self._admit_open.is_set():
+            self._tasks.create_task(self._initial_eval(ann.version, done), name="controller.initial_eval")
+        elif not ann.replayed and self.evals.due(ann.step, self.cfg.trainer.steps) and ann.step > 0:
+            await self.evals.request(ann.version)
+
+    async def _announced(self, version: int) -> None:
+        """Wait (bounded) for ``version``'s announcement: a step report can overtake it (two readers)."""
+        async with self._version_changed:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(
+                    self._version_changed.wait_for(lambda: self.trainer_version >= version), VERSION_WAIT_S
+                )
 
     async def _initial_eval(self, version: int, done: asyncio.Event) -> None:
         """Evaluate the initial policy before any prompt goes out, so eval_before is exactly its accuracy
@@ -232,31 +285,59 @@ class Controller(Actor):
     async def _follow_heartbeats(self, done: asyncio.Event) -> None:
         sub = await self.bus.nc.subscribe(self.bus.subjects.heartbeat("*", "*"))
         async for msg in messages_until(sub, done):
-            hb = await self.bus.decode_or_dead_letter(msg, Heartbeat)
-            if hb is not None and hb.role == "rollout":
+            hb = await self.bus.accept(msg, Heartbeat)
+            if hb is None:
+                continue
+            refusal = trust.heartbeat_refusal(hb, msg.subject, run=self.bus.subjects.run, newest=self.trainer_version)
+            if refusal is not None:
+                await self.bus.refuse(msg, f"heartbeat: {refusal}", category="untrusted")
+            elif hb.role == "rollout":
                 self.workers[hb.actor_id] = hb
+            elif hb.actor_id != self.actor_id:
+                self.peers[hb.actor_id] = hb
+
+    async def _heard_from(self, worker_id: str) -> None:
+        """Wait (a few heartbeat periods at most) for a worker's heartbeat: after a controller start, reports
+        kept by the durable consumer arrive before the workers' next heartbeats do."""
+        deadline = time.monotonic() + 3 * self.cfg.bus.heartbeat_s + 1.0
+        while worker_id not in self.live_workers() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    def live_workers(self) -> set[str]:
+        now = time.time()
+        return {w for w, hb in self.workers.items() if now - hb.ts < WORKER_TIMEOUT_S}
 
     async def _pull_loop(
-        self, durable: str, subject: str, stream: str, done: asyncio.Event, handle: Callable[[Any], Awaitable[None]]
+        self,
+        durable: str,
+        stream: str,
+        done: asyncio.Event,
+        handle: Callable[[Msg, Message], Awaitable[str | None]],
     ) -> None:
-        messages = pull_messages(self.bus, stream, durable, subject, done, ack_wait_s=self.cfg.bus.ack_wait_s)
+        """Every message of one of the controller's durables: accepted (decoded, verified), handled, acked;
+        a handler's refusal (its reason) is dead-lettered instead."""
+        messages = pull_messages(self.bus, stream, durable, done)
         async with contextlib.aclosing(messages):
             async for m in messages:
-                try:
-                    message = decode_any(m.data)
-                except SchemaError as exc:
-                    await self.bus.dead_letter(m.subject, m.data, str(exc))
-                    await m.ack()
+                message = await self.bus.accept_any(m)  # acks what it refuses
+                if message is None:
                     continue
-                await handle(message)
-                await m.ack()
+                refusal = await handle(m, message)
+                if refusal is not None:
+                    await self.bus.refuse(m, f"{message.KIND}: {refusal}", category="untrusted")
+                else:
+                    await m.ack()
 
     async def _follow_discards(self, done: asyncio.Event) -> None:
-        async def handle(message: Any) -> None:
+        async def handle(m: Msg, message: Message) -> str | None:
             if not isinstance(message, GroupsDiscarded):
-                return
+                return f"not a groups_discarded on {m.subject}"
+            refusal = trust.discard_refusal(message, issued=self.state.issued, resolved=self.resolved)
+            if refusal is not None:
+                return refusal
             self.state.discarded += len(message.group_ids)
             for gid, sid in zip(message.group_ids, message.sample_ids, strict=True):
+                self.resolved.add(int(gid[1:]))
                 self.record.ledger(
                     "requeued" if message.requeue else "dropped",
                     group_id=gid,
@@ -268,40 +349,71 @@ class Controller(Actor):
                     self.state.reissue.append(sid)
                     self.state.attempts[sid] = self.state.attempts.get(sid, 0) + 1
             self.record.count_discarded(len(message.group_ids), message.requeue, message.reason)
-            await self.bus.put_str(KEY_CONTROLLER, json.dumps(asdict(self.state)))
+            await self._save_state()
             self._wake.set()
+            return None
 
         s = self.bus.subjects
-        await self._pull_loop(s.CONTROLLER_EVENTS_CONSUMER, s.discarded, s.events_stream, done, handle)
+        await self._pull_loop(s.CONTROLLER_EVENTS_CONSUMER, s.events_stream, done, handle)
 
     async def _follow_metrics(self, done: asyncio.Event) -> None:
-        async def handle(message: Any) -> None:
+        async def handle(m: Msg, message: Message) -> str | None:
             if isinstance(message, StepMetrics):
+                await self._announced(message.policy_version)
+                refusal = trust.step_refusal(message, version_steps=self.version_steps, recorded=self.record.steps_seen)
+                if refusal is not None:
+                    return refusal
                 lags = [
                     message.step - self.version_steps[hb.version]
                     for hb in self.workers.values()
                     if hb.version in self.version_steps
                 ]
+                for gid in message.trained_group_ids:
+                    self.resolved.add(int(gid[1:]))
                 self.record.step(message, worker_lag_mean=sum(lags) / len(lags) if lags else 0.0)
-            elif isinstance(message, EvalResult):
-                self.record.eval(message, step=self.version_steps.get(message.requested_version, 0))
             elif isinstance(message, TrainerDone):
+                await self._announced(message.policy_version)
+                refusal = trust.done_refusal(message, version_steps=self.version_steps, steps=self.cfg.trainer.steps)
+                if refusal is not None:
+                    return refusal
                 self._tasks.create_task(self._finish(message, done), name="controller.finish")
+            elif not isinstance(message, EvalResult):  # evaluations are recorded where they are computed
+                return f"not a metrics message on {m.subject}"
+            return None
 
         s = self.bus.subjects
-        await self._pull_loop(s.CONTROLLER_METRICS_CONSUMER, s.metrics_all, s.metrics_stream, done, handle)
+        await self._pull_loop(s.CONTROLLER_METRICS_CONSUMER, s.metrics_stream, done, handle)
 
     async def _follow_eval_results(self, done: asyncio.Event) -> None:
-        async def handle(message: Any) -> None:
-            if isinstance(message, EvalShardResult):
-                await self.evals.on_result(message)
+        async def handle(m: Msg, message: Message) -> str | None:
+            if not isinstance(message, EvalShardResult):
+                return f"not an eval_shard_result on {m.subject}"
+            refusal = self.evals.refusal(message)
+            if refusal is not None:
+                return refusal
+            result = await self.evals.on_result(message)
+            if result is not None:
+                self.record.eval(result, step=self.version_steps.get(result.requested_version, 0))
+            return None
 
         s = self.bus.subjects
-        await self._pull_loop(s.CONTROLLER_EVAL_CONSUMER, s.eval_results, s.events_stream, done, handle)
+        await self._pull_loop(s.CONTROLLER_EVAL_CONSUMER, s.events_stream, done, handle)
 
     async def _follow_weights_held(self, done: asyncio.Event) -> None:
-        """Feed every worker's ``weights_held`` report to the audit (durable: none is missed while we run)."""
-        await follow_weights_held(self.bus, self.audit, done, ack_wait_s=self.cfg.bus.ack_wait_s)
+        """Feed every live worker's ``weights_held`` report to the audit (durable: none is missed while we run)."""
+
+        async def handle(m: Msg, message: Message) -> str | None:
+            if not isinstance(message, WeightsHeld):
+                return f"not a weights_held on {m.subject}"
+            await self._heard_from(message.worker_id)
+            refusal = trust.held_refusal(message, workers=self.live_workers(), newest=self.trainer_version)
+            if refusal is not None:
+                return refusal
+            self.audit.report(message)
+            return None
+
+        s = self.bus.subjects
+        await self._pull_loop(s.CONTROLLER_WEIGHTS_CONSUMER, s.events_stream, done, handle)
 
     # ------------------------------------------------------------------ the end
 
@@ -324,6 +436,32 @@ class Controller(Actor):
         else:
             self.log.info("plots_written", paths=[str(p) for p in paths])
 
+    def _refusals(self) -> dict[str, Any]:
+        """What every actor refused (from its latest heartbeat, and the controller's own counts), and the
+        alarms a reader of summary.json must not miss."""
+        reports = {self.actor_id: self.bus.refusal_stats()} | {
+            actor: hb.stats for actor, hb in {**self.workers, **self.peers}.items()
+        }
+        by_category: dict[str, int] = {}
+        for stats in reports.values():
+            for key, value in stats.items():
+                if key.startswith("refused_"):
+                    by_category[key[len("refused_") :]] = by_category.get(key[len("refused_") :], 0) + int(value)
+        alarms = []
+        unsigned = {a: int(st.get("refused_unsigned", 0)) for a, st in reports.items() if st.get("refused_unsigned")}
+        if unsigned:
+            alarms.append(
+                f"{sum(unsigned.values())} messages without a valid signature were refused (forged or altered): "
+                + ", ".join(f"{a}: {n}" for a, n in sorted(unsigned.items()))
+            )
+        if self.audit.mismatches:
+            alarms.append(f"{self.audit.mismatches} held-weight reports did not match the announced weights")
+        return {
+            "dead_lettered": sum(int(st.get("dead_lettered", 0)) for st in reports.values()),
+            "refused": dict(sorted(by_category.items())),
+            "alarms": alarms,
+        }
+
     async def _finish(self, trainer_done: TrainerDone, done: asyncio.Event) -> None:
         """Evaluate the final version, write the summary, stop every actor."""
         eval_id = await self.evals.request(trainer_done.policy_version)
@@ -338,7 +476,8 @@ class Controller(Actor):
             final_eval="done" if final is not None else f"timed out after {self.cfg.eval.final_timeout_s:g} s",
             steps=trainer_done.steps,
             final_version=trainer_done.policy_version,
-            dead_lettered=await self.bus.dead_letter_count(),
+            **self._refusals(),
+            dlq_messages=await self.bus.dead_letter_stream_size(),
             groups_issued=self.state.issued,
             groups_outstanding=outstanding,
             workers={k: hb.version for k, hb in self.workers.items()},
@@ -347,24 +486,21 @@ class Controller(Actor):
                 mode: {"versions": t["versions"], "mean": t["bytes"] / t["versions"], "max": t["max"]}
                 for mode, t in self.sync_bytes.items()
             },
-            eval_results_refused=self.evals.refused,
             **self.audit.summary(),
         )
         await self._write_plots()
         await asyncio.to_thread(self.record.close)
         await self.bus.put_str(KEY_STATUS, "done")
-        await self.bus.publish(self.bus.subjects.control, Control(command="stop", reason="run complete"))
+        stop = Control(command="stop", reason="run complete", run_instance=self.run_instance)
+        await self.bus.publish(self.bus.subjects.control, stop)
         self.log.info("run_complete", **{k: v for k, v in summary.items() if not isinstance(v, dict | list)})
         done.set()
 
 
-async def pull_messages(
-    bus: Bus, stream: str, durable: str, subject: str, done: asyncio.Event, *, ack_wait_s: float
-) -> AsyncIterator[Msg]:
-    """Every message of the durable pull consumer ``durable`` on ``subject`` until ``done`` (the caller
-    acks). Creating the consumer is idempotent, so a restarted controller resumes where it stopped."""
-    config = ConsumerConfig(durable_name=durable, filter_subject=subject, ack_wait=ack_wait_s)
-    sub = await bus.js.pull_subscribe(subject, durable=durable, stream=stream, config=config)
+async def pull_messages(bus: Bus, stream: str, durable: str, done: asyncio.Event) -> AsyncIterator[Msg]:
+    """Every message of the durable pull consumer ``durable`` (made by the setup step) until ``done``; the
+    caller acks. Binding, not creating: a restarted controller resumes where it stopped."""
+    sub = await bus.js.pull_subscribe_bind(durable, stream=stream)
     try:
         while not done.is_set():
             try:
@@ -376,21 +512,3 @@ async def pull_messages(
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
-
-
-async def follow_weights_held(bus: Bus, audit: WeightAudit, done: asyncio.Event, *, ack_wait_s: float) -> None:
-    """Pull ``<run>.events.weights_held`` through the controller's durable consumer into ``audit``.
-
-    Anything that is not a ``weights_held`` message is dead-lettered (and acked); a report is acked
-    once the audit has seen it.
-    """
-    s = bus.subjects
-    messages = pull_messages(
-        bus, s.events_stream, s.CONTROLLER_WEIGHTS_CONSUMER, s.weights_held, done, ack_wait_s=ack_wait_s
-    )
-    async with contextlib.aclosing(messages):
-        async for m in messages:
-            held = await bus.decode_or_dead_letter(m, WeightsHeld)  # acks what it dead-letters
-            if held is not None:
-                audit.report(held)
-                await m.ack()

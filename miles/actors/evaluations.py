@@ -12,13 +12,14 @@ re-sent shard (a controller restart, a redelivery) is recognised and counted onc
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
 from miles.bus.client import Bus
-from miles.bus.schema import EvalResult, EvalShardResult, EvalTask, encode
+from miles.bus.schema import EvalResult, EvalShardResult, EvalTask
 from miles.tasks.base import Sample
 
 log = structlog.get_logger(__name__)
@@ -27,7 +28,7 @@ log = structlog.get_logger(__name__)
 @dataclass(slots=True)
 class _Pending:
     version: int
-    shards: int
+    sizes: list[int]  # samples per shard, as issued
     results: dict[int, EvalShardResult] = field(default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     result: EvalResult | None = None
@@ -43,7 +44,6 @@ class EvalCoordinator:
         self.shard_size = shard_size
         self.max_new_tokens = max_new_tokens
         self.pending: dict[str, _Pending] = {}
-        self.refused = 0  # results for an evaluation never issued, a shard out of range, or counted already
 
     def due(self, step: int, last_step: int) -> bool:
         """Evaluate the version of ``step``: the first, every ``every`` steps, and the last."""
@@ -55,7 +55,7 @@ class EvalCoordinator:
         if eval_id in self.pending:
             return eval_id
         chunks = [self.samples[i : i + self.shard_size] for i in range(0, len(self.samples), self.shard_size)]
-        self.pending[eval_id] = _Pending(version, len(chunks))
+        self.pending[eval_id] = _Pending(version, [len(c) for c in chunks])
         for shard, chunk in enumerate(chunks):
             task = EvalTask(
                 eval_id=eval_id,
@@ -66,25 +66,34 @@ class EvalCoordinator:
                 max_new_tokens=self.max_new_tokens,
             )
             # The message id makes a re-sent shard (a controller restarted mid-issue) a no-op in the stream.
-            await self.bus.js.publish(
-                self.bus.subjects.evalq, encode(task), headers={"Nats-Msg-Id": f"{eval_id}-{shard}"}
-            )
+            await self.bus.publish(self.bus.subjects.evalq, task, msg_id=f"{eval_id}-{shard}")
         log.info("eval_requested", eval_id=eval_id, version=version, shards=len(chunks), samples=len(self.samples))
         return eval_id
 
-    async def on_result(self, result: EvalShardResult) -> EvalResult | None:
-        """Fold one shard's result; returns the evaluation's result once its last shard is in."""
+    def refusal(self, result: EvalShardResult) -> str | None:
+        """Why ``result`` cannot be counted (None: it can): an evaluation never issued, a shard out of range
+        or counted already, another sample count than the shard's, a version older than requested, a sum
+        that is not finite."""
         pending = self.pending.get(result.eval_id)
-        if pending is None or result.shard >= pending.shards or result.shard in pending.results:
-            self.refused += 1
-            log.warning("eval_result_refused", eval_id=result.eval_id, shard=result.shard, worker=result.worker_id)
-            return None
+        if pending is None:
+            return f"eval {result.eval_id!r} was never requested"
+        if result.shard >= len(pending.sizes) or result.shard in pending.results:
+            return f"shard {result.shard} of {result.eval_id} is out of range or counted already"
+        if result.samples != pending.sizes[result.shard] or result.failed > result.samples:
+            expected = pending.sizes[result.shard]
+            return f"shard {result.shard} of {result.eval_id} has {expected} samples, not {result.samples}"
         if result.version < pending.version:
-            self.refused += 1
-            log.warning("eval_result_refused", eval_id=result.eval_id, reason="older than requested")
-            return None
+            return f"{result.eval_id} evaluated at version {result.version}, older than requested"
+        if not math.isfinite(result.reward_sum):
+            return "reward_sum is not finite"
+        return None
+
+    async def on_result(self, result: EvalShardResult) -> EvalResult | None:
+        """Fold one shard's result (already checked by :meth:`refusal`); returns the evaluation's result once
+        its last shard is in."""
+        pending = self.pending[result.eval_id]
         pending.results[result.shard] = result
-        if len(pending.results) < pending.shards:
+        if len(pending.results) < len(pending.sizes):
             return None
         parts = list(pending.results.values())
         samples = sum(r.samples for r in parts)
@@ -96,9 +105,7 @@ class EvalCoordinator:
             eval_id=result.eval_id,
             failed=sum(r.failed for r in parts),
         )
-        await self.bus.js.publish(
-            self.bus.subjects.eval, encode(pending.result), headers={"Nats-Msg-Id": f"eval-{result.eval_id}"}
-        )
+        await self.bus.publish(self.bus.subjects.eval, pending.result, msg_id=f"eval-{result.eval_id}")
         pending.done.set()
         log.info("eval", version=pending.version, accuracy=round(pending.result.accuracy, 4), samples=samples)
         return pending.result

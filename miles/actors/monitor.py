@@ -7,9 +7,10 @@ stream and the weight announcements have been replayed) and exits. ``--prometheu
 ``monitor.prometheus_port``; 0 = any free port, logged as ``prometheus_listening``) serves the same
 snapshot on ``/metrics`` (:mod:`miles.monitoring.prom` lists the families).
 
-It never publishes work and never acks anything: heartbeats come over core NATS, metrics and weight
-announcements are replayed from the METRICS and EVENTS streams with ephemeral ordered consumers,
-queue depths are read from stream and consumer info. The model is
+It publishes nothing and acks nothing: heartbeats come over core NATS, metrics and weight
+announcements are read in order from the METRICS and EVENTS streams by direct gets (:mod:`miles.bus.follow`),
+queue depths come from stream and consumer info. With the run's keys, a signed kind without a valid
+signature is skipped and counted (``alarms``), never shown. The model is
 :class:`miles.monitoring.state.RunState`, the view :mod:`miles.monitoring.view`.
 
 Versions are unique ids (a trainer restart jumps them), so every lag is in lineage steps: the
@@ -47,7 +48,9 @@ last ``monitor.reward_points`` steps), ``sparkline`` (of the means);
 ``trained``: totals over the steps seen of samples, episodes, infra_excluded, reward_failed,
 truncated, groups_without_signal, tool_calls, parse_errors, template_mismatches;
 ``discards``: ``dropped``, ``requeued``, ``duplicates`` (trainer heartbeat);
-``controller``: ``{issued, discarded}``; ``dead_lettered`` (``<run>_DLQ`` size);
+``controller``: ``{issued, discarded}``; ``dead_lettered`` (``<run>_DLQ`` size); ``refused``
+(``{category: n}`` summed over the actors' heartbeats: malformed, unsigned, untrusted), ``refused_total``,
+``alarms`` (lines to show in red: unsigned messages refused anywhere, held-weight mismatches);
 ``evals``: ``{step: accuracy}`` keyed by the steps trained into the evaluated version;
 ``eval_results``: ``[{step, requested_version, policy_version, accuracy, samples, failed}]``;
 ``eval_accuracy`` (of the highest step);
@@ -62,18 +65,32 @@ import asyncio
 import contextlib
 import json
 import time
+from datetime import datetime
 from typing import Any
 
 import nats.errors
 from nats.aio.msg import Msg
 
 from miles.actors.base import Actor
-from miles.bus.schema import Heartbeat, SchemaError, WeightsAnnounced, decode_any
+from miles.bus.errors import BusError
+from miles.bus.follow import follow, last_message
+from miles.bus.schema import Heartbeat, Message, SchemaError, WeightsAnnounced, decode_any
 from miles.monitoring.state import RunState
+from miles.security.signing import SignatureError
+
+
+def _published_at(raw: Any) -> float:
+    """When JetStream stored a message read by direct get (its ``Nats-Time-Stamp``), else now."""
+    stamp = (raw.headers or {}).get("Nats-Time-Stamp")
+    if stamp:
+        with contextlib.suppress(ValueError):
+            return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    return time.time()
 
 
 class Monitor(Actor):
     role = "monitor"
+    heartbeats = False  # read-only: a monitor publishes nothing
 
     def __init__(
         self,
@@ -101,32 +118,42 @@ class Monitor(Actor):
 
     # ------------------------------------------------------------------ inputs
 
-    async def _on_heartbeat(self, msg: Msg) -> None:
+    def _decoded(self, received: Any) -> Message | None:
+        """A message read off the bus, decoded and (with the run's keys) verified; None to skip it. The
+        monitor may not publish, so it counts what it skips instead of dead-lettering it."""
         try:
-            hb = decode_any(msg.data)
+            message = decode_any(received.data)
+            self.bus.check_signature(received, message.KIND)
         except SchemaError:
-            return  # read-only: the owning consumer dead-letters it
+            return None  # the owning consumer dead-letters it
+        except SignatureError:
+            self.state.unverified += 1
+            return None
+        return message
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        hb = self._decoded(msg)
         if isinstance(hb, Heartbeat):
             self.state.on_heartbeat(hb)
 
-    async def _on_metrics(self, msg: Msg) -> None:
-        meta = msg.metadata
-        self._metrics_seq = max(self._metrics_seq, int(meta.sequence.stream))
-        try:
-            message = decode_any(msg.data)
-        except SchemaError:
-            return
-        t = meta.timestamp.timestamp() if meta.timestamp is not None else time.time()
-        self.state.absorb(message, t)
+    async def _follow_metrics(self) -> None:
+        s = self.bus.subjects
+        async for raw in follow(
+            self.bus.nc, self.bus.js, s.metrics_stream, s.metrics_all, self._finished, start="first"
+        ):
+            self._metrics_seq = max(self._metrics_seq, int(raw.seq or 0))
+            message = self._decoded(raw)
+            if message is not None:
+                self.state.absorb(message, _published_at(raw))
 
-    async def _on_weights(self, msg: Msg) -> None:
-        self._weights_seq = max(self._weights_seq, int(msg.metadata.sequence.stream))
-        try:
-            message = decode_any(msg.data)
-        except SchemaError:
-            return
-        if isinstance(message, WeightsAnnounced):
-            self.state.on_weights(message)
+    async def _follow_weights(self) -> None:
+        """Every announcement (not just the last): a lagging worker's version needs its step too."""
+        s = self.bus.subjects
+        async for raw in follow(self.bus.nc, self.bus.js, s.events_stream, s.weights, self._finished, start="first"):
+            self._weights_seq = max(self._weights_seq, int(raw.seq or 0))
+            message = self._decoded(raw)
+            if isinstance(message, WeightsAnnounced):
+                self.state.on_weights(message)
 
     async def _poll_queues(self) -> None:
         js, s = self.bus.js, self.bus.subjects
@@ -151,8 +178,9 @@ class Monitor(Actor):
     async def _weights_last_seq(self) -> int:
         """EVENTS sequence of the newest weight announcement (0: none yet, or the stream is not there)."""
         s = self.bus.subjects
-        with contextlib.suppress(nats.errors.Error):
-            return int((await self.bus.js.get_last_msg(s.events_stream, s.weights)).seq or 0)
+        with contextlib.suppress(nats.errors.Error, BusError):
+            newest = await last_message(self.bus.js, s.events_stream, s.weights)
+            return int(newest.seq or 0) if newest is not None else 0
         return 0
 
     # ------------------------------------------------------------------ outputs
@@ -186,11 +214,10 @@ class Monitor(Actor):
         hb_sub = await self.bus.nc.subscribe(self.bus.subjects.heartbeat("*", "*"), cb=self._on_heartbeat)
         replay_to = await self._metrics_last_seq()
         weights_to = await self._weights_last_seq()
-        metrics_sub = await self.bus.js.subscribe(
-            self.bus.subjects.metrics_all, ordered_consumer=True, cb=self._on_metrics
-        )
-        # Every announcement (not just the last): a lagging worker's version needs its step too.
-        weights_sub = await self.bus.js.subscribe(self.bus.subjects.weights, ordered_consumer=True, cb=self._on_weights)
+        readers = [
+            asyncio.create_task(self._follow_metrics(), name="monitor.metrics"),
+            asyncio.create_task(self._follow_weights(), name="monitor.weights"),
+        ]
         try:
             if self.once:
                 await self._run_once(replay_to, weights_to)
@@ -205,10 +232,11 @@ class Monitor(Actor):
         finally:
             with contextlib.suppress(nats.errors.Error):
                 await hb_sub.unsubscribe()
-            with contextlib.suppress(nats.errors.Error):
-                await metrics_sub.unsubscribe()
-            with contextlib.suppress(nats.errors.Error):
-                await weights_sub.unsubscribe()
+            for reader in readers:
+                if reader.done():
+                    reader.result()  # a reader that failed fails the monitor
+                reader.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
             if self.exporter is not None:
                 self.exporter.stop()
 

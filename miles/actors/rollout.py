@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 
 from miles.actors.base import Actor, keep_in_progress
 from miles.actors.rollout_stats import RolloutStats
+from miles.actors.trust import MAX_VERSION_JUMP
 from miles.bus.client import KEY_TRAINER_VERSION
 from miles.bus.dataplane import WeightStore
 from miles.bus.schema import EvalShardResult, EvalTask, Heartbeat, PromptGroup, Trajectory, WeightsHeld
@@ -33,6 +34,7 @@ from miles.rollout.env import EpisodeSpec
 from miles.rollout.episode import EpisodeLimits, run_episode
 from miles.rollout.evaluate import evaluate
 from miles.rollout.render import Renderer
+from miles.security.signing import SIGNATURE_HEADER
 from miles.sync.engine_weights import EngineWeights
 from miles.sync.follower import WeightFollower
 from miles.sync.lora import lora_scale
@@ -57,7 +59,7 @@ class RolloutWorker(Actor):
 
     def heartbeat(self) -> Heartbeat:
         version = self.engine.version if hasattr(self, "engine") else -1
-        stats = {**self.stats.as_dict(), "dead_lettered": float(self.bus.dead_lettered)}
+        stats = {**self.stats.as_dict(), **self.bus.refusal_stats()}
         if hasattr(self, "follower"):
             stats |= self.follower.stats()
         if hasattr(self, "engine"):
@@ -86,7 +88,11 @@ class RolloutWorker(Actor):
         tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
         renderer = Renderer(tokenizer, task.render)
         store = await WeightStore.create(
-            self.bus.js, self.bus.subjects.run, replicas=cfg.bus.replicas, keep_versions=cfg.sync.keep_versions
+            self.bus.js,
+            self.bus.subjects.run,
+            replicas=cfg.bus.replicas,
+            keep_versions=cfg.sync.keep_versions,
+            ensure=self.bus.creates_streams,
         )
         delta_store = None
         if cfg.sync.mode == "delta":
@@ -96,6 +102,7 @@ class RolloutWorker(Actor):
                 replicas=cfg.bus.replicas,
                 keep_versions=delta_keep_versions(cfg.sync.keep_versions, cfg.sync.anchor_every),
                 kind="delta",
+                ensure=self.bus.creates_streams,
             )
         self.engine, decoder = self._weight_path(engine, model_dir)
         fs = (
@@ -105,7 +112,14 @@ class RolloutWorker(Actor):
         )
         receiver = await self._join_weight_group() if cfg.sync.transport == "broadcast" else None
         self.follower = WeightFollower(
-            self.bus, store, self.engine, delta_store=delta_store, decoder=decoder, fs=fs, receiver=receiver
+            self.bus,
+            store,
+            self.engine,
+            delta_store=delta_store,
+            decoder=decoder,
+            fs=fs,
+            receiver=receiver,
+            require_payload_sha256=cfg.bus.payload_sha256,
         )
         sampling = cfg.rollout.sampling
         params = SamplingParams(
@@ -213,6 +227,17 @@ class RolloutWorker(Actor):
 
     # ------------------------------------------------------------------ training rollouts
 
+    def _prompt_refusal(self, group: PromptGroup) -> str | None:
+        """A prompt group this worker will not play: another group size than the run's, or issued at a
+        version that was never announced (the worker would wait for it forever)."""
+        if group.group_size != self.cfg.rollout.group_size:
+            return f"group_size {group.group_size}, the run's is {self.cfg.rollout.group_size}"
+        latest = self.follower.latest
+        newest = latest.version if latest is not None else -1
+        if group.issued_at_version > max(newest, 0) + MAX_VERSION_JUMP:
+            return f"issued at version {group.issued_at_version}, never announced (newest {newest})"
+        return None
+
     async def _prompt_loop(self, task: Task, renderer: Renderer, params: SamplingParams, limits: EpisodeLimits) -> None:
         sub = await self.bus.js.pull_subscribe_bind(
             durable=self.bus.subjects.ROLLOUT_CONSUMER, stream=self.bus.subjects.prompts_stream
@@ -227,8 +252,11 @@ class RolloutWorker(Actor):
                     except asyncio.TimeoutError:
                         room.release()
                         continue
-                    group = await self.bus.decode_or_dead_letter(msgs[0], PromptGroup)
-                    if group is None:
+                    group = await self.bus.accept(msgs[0], PromptGroup)
+                    refusal = None if group is None else self._prompt_refusal(group)
+                    if refusal is not None:
+                        await self.bus.refuse(msgs[0], f"prompt_group: {refusal}", category="untrusted")
+                    if group is None or refusal is not None:
                         room.release()
                         continue
                     tg.create_task(self._play_group(msgs[0], group, task, renderer, params, limits, room))
@@ -277,6 +305,9 @@ class RolloutWorker(Actor):
                     episodes=list(episodes),
                     issued_at_version=group.issued_at_version,
                     gen_s=gen_s,
+                    # The group as issued, so the trainer can check the controller issued it (docs/security.md).
+                    ticket=msg.data,
+                    ticket_signature=(msg.headers or {}).get(SIGNATURE_HEADER, ""),
                 )
                 await self.bus.publish(self.bus.subjects.traj, traj)  # durable first...
                 await msg.ack()  # ...then the prompt may go
@@ -296,7 +327,7 @@ class RolloutWorker(Actor):
                     (msg,) = await sub.fetch(1, timeout=0.5)
                 except asyncio.TimeoutError:
                     continue
-                work = await self.bus.decode_or_dead_letter(msg, EvalTask)
+                work = await self.bus.accept(msg, EvalTask)
                 if work is not None:
                     await self._evaluate(msg, work, task, renderer, params, limits)
         finally:

@@ -25,21 +25,26 @@ from typing import Any
 import torch
 from nats.aio.msg import Msg
 
+from miles.actors import trust
 from miles.actors.base import Actor, keep_in_progress
 from miles.actors.trainer_ranks import LeaderRanks
 from miles.algo.advantages import ADVANTAGES
+from miles.bus.client import KEY_GROUPS_ISSUED
 from miles.bus.dataplane import WeightStore
 from miles.bus.schema import (
     GroupsDiscarded,
     Heartbeat,
+    PromptGroup,
+    SchemaError,
     StepMetrics,
     TrainerDone,
     Trajectory,
     WeightsAnnounced,
-    encode,
+    decode,
 )
 from miles.failpoints import failpoint
 from miles.models.families.registry import family_of
+from miles.security.signing import SIGNATURE_HEADER, SIGNER_HEADER, SignatureError
 from miles.sync.publisher import Lineage, Published, WeightPublisher, announce, delta_keep_versions
 from miles.sync.stream_export import PayloadLayout
 from miles.sync.transport import FallbackTransport, WeightTransport
@@ -74,7 +79,7 @@ class TrainerLeader(Actor):
         stats = {
             "step": float(self.lineage.step),
             "trained_groups": float(len(self.resolved)),
-            "dead_lettered": float(self.bus.dead_lettered),
+            **self.bus.refusal_stats(),
             **{k: float(v) for k, v in self.counts.items()},
         }
         return Heartbeat(role=self.role, actor_id=self.actor_id, version=self.lineage.version, stats=stats)
@@ -82,7 +87,11 @@ class TrainerLeader(Actor):
     # ------------------------------------------------------------------ start-up and recovery
 
     async def main(self) -> None:
+        from miles.models.loading import prepared_model_dir, vocab_size
+
         cfg = self.cfg
+        self.vocab_size = vocab_size(prepared_model_dir(cfg.model, cfg.task))
+        self._issued = 0  # the controller's issue window (state bucket), read again when a group lies past it
         await self._open_stores()
         await self._recover()
         sub = await self.bus.js.pull_subscribe_bind(
@@ -113,7 +122,11 @@ class TrainerLeader(Actor):
     async def _open_stores(self) -> None:
         cfg = self.cfg
         self.store = await WeightStore.create(
-            self.bus.js, self.bus.subjects.run, replicas=cfg.bus.replicas, keep_versions=cfg.sync.keep_versions
+            self.bus.js,
+            self.bus.subjects.run,
+            replicas=cfg.bus.replicas,
+            keep_versions=cfg.sync.keep_versions,
+            ensure=self.bus.creates_streams,
         )
         self.delta_store = None
         if cfg.sync.mode == "delta":
@@ -123,6 +136,7 @@ class TrainerLeader(Actor):
                 replicas=cfg.bus.replicas,
                 keep_versions=delta_keep_versions(cfg.sync.keep_versions, cfg.sync.anchor_every),
                 kind="delta",
+                ensure=self.bus.creates_streams,
             )
         self.transport: WeightTransport = BusTransport(self.store)
         # Keeps the last published state in memory (delta mode): after a restart the first publish is a full anchor.
@@ -133,6 +147,7 @@ class TrainerLeader(Actor):
             mode=cfg.sync.mode,
             delta_store=self.delta_store,
             anchor_every=cfg.sync.anchor_every,
+            sha256=cfg.bus.payload_sha256,
         )
 
     async def _recover(self) -> None:
@@ -193,7 +208,7 @@ class TrainerLeader(Actor):
                 except asyncio.TimeoutError:
                     continue
                 for m in batch:
-                    traj = await self.bus.decode_or_dead_letter(m, Trajectory)
+                    traj = await self._accept(m)
                     if traj is None:
                         continue
                     index = traj.issue_index
@@ -214,7 +229,37 @@ class TrainerLeader(Actor):
                     trajs.append(traj)
         return msgs, trajs
 
-    async def _discard(self, msg: Msg, traj: Trajectory, reason: str, *, requeue: bool) -> None:
+    async def _accept(self, m: Msg) -> Trajectory | None:
+        """A delivered trajectory if it can be trained on; None once it was refused (and, for a group the
+        controller did issue, discarded for re-issue so its admission credit comes back)."""
+        traj = await self.bus.accept(m, Trajectory)
+        if traj is None:
+            return None
+        try:
+            ticket = self._ticket(traj)
+        except (SignatureError, SchemaError) as exc:
+            await self.bus.refuse(m, f"trajectory {traj.group_id}: ticket: {exc}", category="untrusted")
+            return None
+        if traj.issue_index >= self._issued:  # the window grows as the controller issues: look again
+            self._issued = await self.bus.get_int(KEY_GROUPS_ISSUED, 0)
+        refusal = trust.trajectory_refusal(
+            traj, ticket, vocab_size=self.vocab_size, issued=self._issued, newest=self.next_version - 1
+        )
+        if refusal is None:
+            return traj
+        await self.bus.refuse(m, f"trajectory: {refusal}", category="untrusted")
+        if traj.issue_index < self._issued and ticket is not None and traj.issue_index not in self.resolved:
+            await self._discard(None, traj, "invalid", requeue=True)
+        return None
+
+    def _ticket(self, traj: Trajectory) -> PromptGroup | None:
+        """The prompt group ``traj`` answers, as issued: required and verified when the run signs."""
+        if self.bus.require_signatures and self.bus.verifier is not None:
+            headers = {SIGNER_HEADER: "controller", SIGNATURE_HEADER: traj.ticket_signature}
+            self.bus.verifier.verify(self.bus.subjects.prompts, traj.ticket, headers, "controller")
+        return decode(traj.ticket, PromptGroup) if traj.ticket else None
+
+    async def _discard(self, msg: Msg | None, traj: Trajectory, reason: str, *, requeue: bool) -> None:
         event = GroupsDiscarded(
             group_ids=[traj.group_id],
             sample_ids=[traj.sample_id],
@@ -227,7 +272,8 @@ class TrainerLeader(Actor):
         self._discarded_failures["infra_excluded"] += sum(e.status == "infra_error" for e in traj.episodes)
         self.events_seq = max(self.events_seq, int(ack.seq))
         self.resolved.add(traj.issue_index)
-        await msg.ack()
+        if msg is not None:
+            await msg.ack()
         self.counts["requeued" if requeue else "dropped"] += 1
         if reason == "no_signal":
             self.counts["no_signal"] += 1
@@ -272,7 +318,7 @@ class TrainerLeader(Actor):
             replayed=replayed,
         )
         # The message id makes a re-sent report (a replayed step) a no-op in the stream.
-        await self.bus.js.publish(self.bus.subjects.step, encode(report), headers={"Nats-Msg-Id": f"step-v{version}"})
+        await self.bus.publish(self.bus.subjects.step, report, msg_id=f"step-v{version}")
         self._discarded_failures = dict.fromkeys(self._discarded_failures, 0.0)
         for m in msgs:
             await m.ack_sync()
@@ -312,7 +358,9 @@ class TrainerLeader(Actor):
     async def _stream(self, version: int, lineage: Lineage) -> Published:
         precision = self.cfg.sync.dtype
         family = family_of(self.cfg.model)  # its quantization rule picks what FP8/FP4 quantize
-        layout = PayloadLayout.plan(self.ranks.worker.backend.export_specs(), precision, version, family)
+        layout = PayloadLayout.plan(
+            self.ranks.worker.backend.export_specs(), precision, version, family, sha256=self.cfg.bus.payload_sha256
+        )
         out = await self.transport.publish(layout, lambda: self.ranks.export_stream(False), run=self.ranks.run)
         announcement = WeightsAnnounced(
             **out.announcement_fields(),

@@ -6,12 +6,15 @@ the timeout, so that every caller (``miles run``, ``miles-node``, tests) joins t
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import structlog
 import torch
@@ -129,3 +132,31 @@ def distributed(
 def is_distributed() -> bool:
     """Whether collectives are available (a process group was joined)."""
     return dist.is_available() and dist.is_initialized()
+
+
+def exit_skipping_teardown(code: int) -> None:
+    """Flush logs and stdio, then end the process without the interpreter's teardown.
+
+    Under load, a C++ thread of torch's distributed runtime was seen to abort a process in a static
+    destructor ("terminate called without an active exception") after every piece of work had completed
+    and the process group had been left; a process's exit status must say how its work went, not that.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def spawn_ranks(fn: Callable[..., None], nprocs: int, *args: Any) -> None:
+    """``torch.multiprocessing.spawn`` of ``fn(rank, *args)``; each rank that returns leaves as above.
+
+    A rank that raises still reports its traceback through spawn's error file.
+    """
+    import torch.multiprocessing as mp
+
+    mp.spawn(_run_then_exit, args=(fn, args), nprocs=nprocs, join=True)
+
+
+def _run_then_exit(rank: int, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+    fn(rank, *args)
+    exit_skipping_teardown(0)

@@ -1,26 +1,43 @@
-"""One actor's handle on the bus: connection, JetStream, run subjects, state bucket, dead letters."""
+"""One actor's handle on the bus: connection, JetStream, run subjects, state bucket, signatures, refusals.
+
+Trust. What an actor reads off the bus is accepted only through :meth:`Bus.accept` (or
+:meth:`Bus.accept_any`): the bytes must decode to a valid message of the expected kind and schema, and a
+kind that the trainer or the controller signs (:data:`miles.security.signing.SIGNED_BY`) must carry that
+role's valid signature whenever the actor has the run's keys (``bus.credentials_dir``). Anything else is
+*refused*: parked unchanged on the dead-letter stream under this actor's role with the reason, counted in
+:attr:`Bus.refused` by category, logged, acked if it was work, and never acted on. An actor's own trust
+rules (a version the data plane does not hold, a group that was never issued, ...) refuse through
+:meth:`Bus.refuse` the same way. ``dead_lettered`` (what actors refused, reported in their heartbeats) is
+thus a different number from the size of the dead-letter stream, which anyone allowed to publish there
+could inflate.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
-from nats.js.errors import KeyDeletedError, KeyNotFoundError
+from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import NotFoundError as JsNotFoundError
 from nats.js.kv import KeyValue
 
 from miles.bus.connect import connect
-from miles.bus.schema import Message, SchemaError, decode, encode
+from miles.bus.errors import BusError
+from miles.bus.schema import Message, SchemaError, decode, decode_any, encode
 from miles.bus.streams import ensure_run_streams
 from miles.bus.subjects import Subjects
 from miles.config import BusConfig
+from miles.security.signing import SIGNED_BY, SIGNERS, MessageSigner, MessageVerifier, SignatureError
 
 log = structlog.get_logger(__name__)
 
@@ -42,11 +59,21 @@ async def messages_until(sub: Any, done: asyncio.Event, poll_s: float = 0.5) -> 
             await sub.unsubscribe()
 
 
+class Received(Protocol):
+    """A message as read off the bus: a core or JetStream delivery (``Msg``) or a direct get."""
+
+    subject: str
+    data: bytes
+    headers: dict[str, str] | None
+
+
 M = TypeVar("M", bound=Message)
 
 # KV keys of the state bucket (docs/protocol.md).
 KEY_TRAINER_VERSION = "trainer_version"
 KEY_STATUS = "status"
+KEY_RUN_INSTANCE = "run_instance"
+KEY_GROUPS_ISSUED = "groups_issued"  # the controller's count of issued groups: the trainer's issue window
 
 
 @dataclass(slots=True)
@@ -58,10 +85,29 @@ class Bus:
     subjects: Subjects
     kv: KeyValue
     actor_id: str
-    dead_lettered: int = field(default=0)
+    role: str = "peer"
+    signer: MessageSigner | None = None  # the trainer's or the controller's key, with credentials
+    verifier: MessageVerifier | None = None  # the signing roles' public keys, with credentials
+    require_signatures: bool = False
+    creates_streams: bool = True  # False with credentials: the setup step created them, actors only bind
+    run_nonce: str | None = None  # the credentials bundle's run instance
+    dead_lettered: int = 0  # messages this actor refused
+    refused: Counter[str] = field(default_factory=Counter)  # ... by category
+    _run_instance: str | None = None
 
     @classmethod
-    async def open(cls, cfg: BusConfig, url: str, run: str, actor_id: str) -> Bus:
+    async def open(cls, cfg: BusConfig, url: str, run: str, actor_id: str, *, role: str = "peer") -> Bus:
+        """Connect as ``actor_id`` of ``role`` (with that role's credentials when ``cfg.credentials_dir`` is
+        set), make sure the run's streams exist (open bus) or are there to bind to (credentials)."""
+        creds = None
+        if cfg.credentials_dir is not None:
+            from miles.security.bundle import CredentialsError
+            from miles.security.config import resolve_credentials
+
+            try:
+                creds = resolve_credentials(cfg, role)
+            except (CredentialsError, ValueError) as exc:  # one line: the actor cannot start
+                raise BusError(f"bus.credentials_dir: {exc}") from None
         nc = await connect(
             url,
             name=f"{run}:{actor_id}",
@@ -69,41 +115,168 @@ class Bus:
             tls_ca=cfg.tls_ca,
             tls_cert=cfg.tls_cert,
             tls_key=cfg.tls_key,
+            extra_options=creds.nats_options() if creds is not None else None,
         )
         js = nc.jetstream(timeout=10.0)
         subjects = Subjects(run)
-        await ensure_run_streams(js, subjects, replicas=cfg.replicas, ack_wait_s=cfg.ack_wait_s)
-        kv = await js.key_value(subjects.state_bucket)
-        return cls(nc=nc, js=js, subjects=subjects, kv=kv, actor_id=actor_id)
+        if creds is None:
+            await ensure_run_streams(js, subjects, replicas=cfg.replicas, ack_wait_s=cfg.ack_wait_s)
+        elif creds.role == "setup":
+            await nc.close()
+            raise BusError(
+                "the setup identity prepares streams (miles.bus.streams.ensure_run_streams), it runs no actor"
+            )
+        try:
+            kv = await js.key_value(subjects.state_bucket)
+        except (BucketNotFoundError, JsNotFoundError):
+            await nc.close()
+            raise BusError(
+                f"run {run!r} is not set up on {url}: its streams and buckets do not exist (run the setup step "
+                "first: `miles-node --role setup`, which `miles run` does)"
+            ) from None
+        if creds is not None and creds.run != run:
+            await nc.close()
+            raise BusError(f"bus.credentials_dir holds the credentials of run {creds.run!r}, not {run!r}")
+        return cls(
+            nc=nc,
+            js=js,
+            subjects=subjects,
+            kv=kv,
+            actor_id=actor_id,
+            role=role,
+            signer=creds.signer() if creds is not None and creds.role in SIGNERS else None,
+            verifier=creds.verifier() if creds is not None else None,
+            require_signatures=creds is not None and cfg.require_signatures,
+            creates_streams=creds is None,
+            run_nonce=creds.run_nonce if creds is not None else None,
+        )
 
     async def close(self) -> None:
         if not self.nc.is_closed:
             await self.nc.drain()
 
-    async def publish(self, subject: str, msg: Message) -> PubAck:
-        """Durable publish: returns once JetStream has stored the message."""
-        return await self.js.publish(subject, encode(msg))
+    # ------------------------------------------------------------------ publishing
+
+    def sign(self, subject: str, msg: Message, data: bytes) -> dict[str, str]:
+        """Signature headers for ``msg`` if this actor is the role that signs its kind, else none."""
+        if self.signer is not None and SIGNED_BY.get(msg.KIND) == self.signer.signer:
+            return self.signer.headers(subject, data)
+        return {}
+
+    async def publish(self, subject: str, msg: Message, *, msg_id: str | None = None) -> PubAck:
+        """Durable publish: returns once JetStream has stored the message. ``msg_id`` lets the server drop
+        a re-sent copy (its duplicate window)."""
+        data = encode(msg)
+        headers = self.sign(subject, msg, data)
+        if msg_id is not None:
+            headers["Nats-Msg-Id"] = msg_id
+        return await self.js.publish(subject, data, headers=headers or None)
 
     async def emit(self, subject: str, msg: Message) -> None:
-        """Fire-and-forget core-NATS publish (heartbeats)."""
-        await self.nc.publish(subject, encode(msg))
+        """Fire-and-forget core-NATS publish (heartbeats, wake-ups)."""
+        data = encode(msg)
+        await self.nc.publish(subject, data, headers=self.sign(subject, msg, data) or None)
 
-    async def dead_letter(self, origin: str, data: bytes, reason: str) -> None:
-        """Park an undecodable payload, unchanged, on the run's dead-letter stream and count it."""
-        self.dead_lettered += 1
-        log.warning("dead_letter", origin=origin, reason=reason, size=len(data), actor=self.actor_id)
-        headers = {"Miles-Origin": origin, "Miles-Reason": reason[:500], "Miles-Actor": self.actor_id}
-        await self.js.publish(self.subjects.dead_letter(origin), data, headers=headers)
+    # ------------------------------------------------------------------ receiving
 
-    async def decode_or_dead_letter(self, msg: Msg, cls: type[M]) -> M | None:
-        """Decode a delivered message; a bad one is dead-lettered and acked (it is kept in the DLQ)."""
+    def check_signature(self, received: Received, kind: str) -> None:
+        """Raise :class:`SignatureError` if ``kind`` is signed and ``received`` lacks its signer's valid
+        signature (only when this actor holds the keys and requires signatures)."""
+        signer = SIGNED_BY.get(kind)
+        if signer is None or not self.require_signatures or self.verifier is None:
+            return
+        self.verifier.verify(received.subject, received.data, received.headers, signer)
+
+    async def accept(self, received: Received, cls: type[M]) -> M | None:
+        """The message of kind ``cls`` in ``received``, decoded and verified; None if refused (dead-lettered,
+        counted and, for JetStream work, acked: it lives on in the DLQ)."""
         try:
-            return decode(msg.data, cls)
+            message = decode(received.data, cls)
         except SchemaError as exc:
-            await self.dead_letter(msg.subject, msg.data, str(exc))
-            if msg.reply:  # JetStream delivery: remove it from the work stream, it lives on in the DLQ
-                await msg.ack()
+            await self.refuse(received, str(exc), category="malformed")
             return None
+        return await self._verified(received, message)
+
+    async def accept_any(self, received: Received) -> Message | None:
+        """Like :meth:`accept` for a subject that carries several kinds."""
+        try:
+            message = decode_any(received.data)
+        except SchemaError as exc:
+            await self.refuse(received, str(exc), category="malformed")
+            return None
+        return await self._verified(received, message)
+
+    async def _verified(self, received: Received, message: M) -> M | None:
+        try:
+            self.check_signature(received, message.KIND)
+        except SignatureError as exc:
+            await self.refuse(received, f"{message.KIND}: {exc}", category="unsigned")
+            return None
+        return message
+
+    async def refuse(self, received: Received, reason: str, *, category: str) -> None:
+        """Refuse ``received``: park it unchanged on the dead-letter stream with ``reason``, count it under
+        ``category``, and ack it if it was JetStream work (so it is not redelivered)."""
+        self.dead_lettered += 1
+        self.refused[category] += 1
+        if self.role == "monitor":  # publishes nothing, not even dead letters: counted and logged only
+            log.warning("refused", category=category, origin=received.subject, reason=reason, actor=self.actor_id)
+            return
+        log.warning(
+            "refused",
+            category=category,
+            origin=received.subject,
+            reason=reason,
+            size=len(received.data),
+            actor=self.actor_id,
+        )
+        headers = {
+            "Miles-Origin": received.subject,
+            "Miles-Reason": reason[:500],
+            "Miles-Category": category,
+            "Miles-Actor": self.actor_id,
+        }
+        await self.js.publish(self.subjects.dead_letter(self.role, received.subject), received.data, headers=headers)
+        if isinstance(received, Msg) and received.reply:  # JetStream delivery: remove it from the work stream
+            await received.ack()
+
+    def refusal_stats(self) -> dict[str, float]:
+        """``dead_lettered`` and ``refused_<category>`` for the heartbeat."""
+        return {"dead_lettered": float(self.dead_lettered)} | {
+            f"refused_{category}": float(n) for category, n in sorted(self.refused.items())
+        }
+
+    # ------------------------------------------------------------------ run instance
+
+    async def run_instance(self) -> str | None:
+        """The id of this run's instance (the bundle's nonce with credentials; else what the controller wrote
+        into the state bucket at its first start), or None while unknown. A control command of another
+        instance, e.g. an earlier run under the same name whose events are still stored, is never obeyed."""
+        if self._run_instance is None:
+            self._run_instance = self.run_nonce or (await self.get_str(KEY_RUN_INSTANCE)) or None
+        return self._run_instance
+
+    async def claim_run_instance(self) -> str:
+        """Controller: record the run instance in the state bucket (once; a restart finds its own). Raises
+        :class:`BusError` if the bucket names another instance (the streams of an earlier run of this name)."""
+        wanted = self.run_nonce
+        existing = await self.get_str(KEY_RUN_INSTANCE)
+        if not existing:
+            try:
+                await self.kv.create(KEY_RUN_INSTANCE, (wanted or secrets.token_hex(16)).encode())
+            except KeyWrongLastSequenceError:  # written concurrently (a second controller): read it back
+                pass
+            existing = await self.get_str(KEY_RUN_INSTANCE)
+        if wanted is not None and existing != wanted:
+            raise BusError(
+                f"run {self.subjects.run!r} on this server belongs to run instance {existing[:8]}..., not this "
+                f"bundle's {wanted[:8]}...: its streams hold an earlier run under the same name. Use another run "
+                "name, or delete that run's streams"
+            )
+        self._run_instance = existing
+        return existing
+
+    # ------------------------------------------------------------------ state bucket
 
     async def get_bytes(self, key: str) -> bytes | None:
         """The value of ``key`` in the state bucket, None when it was never written (or was deleted).
@@ -132,7 +305,7 @@ class Bus:
     async def put_str(self, key: str, value: str) -> None:
         await self.kv.put(key, value.encode())
 
-    async def dead_letter_count(self) -> int:
-        """Run-wide number of dead-lettered messages (the DLQ stream's size)."""
+    async def dead_letter_stream_size(self) -> int:
+        """Messages on the run's dead-letter stream (what actors refused, plus whatever else was put there)."""
         info = await self.js.stream_info(self.subjects.dlq_stream)
         return int(info.state.messages)

@@ -56,12 +56,14 @@ async def connect(
     tls_key: str | None = None,
     connect_timeout_s: float = 5.0,
     connect_attempts: int = 3,
+    extra_options: dict[str, Any] | None = None,
 ) -> Client:
     """Connect to ``url`` (comma-separated URLs for a cluster) as client ``name``.
 
     The first connection tries each server ``connect_attempts`` times (at least twice, 0.5 s apart);
     after that the client reconnects forever. Raises :class:`BusError` with a one-line message if no
-    server can be reached or the server refuses us.
+    server can be reached or the server refuses us. ``extra_options`` (a role's login: nkey seed, TLS
+    context, inbox prefix) are passed to nats-py as they are.
     """
     if creds and not Path(creds).is_file():
         raise BusError(f"bus.creds file not found: {creds}")
@@ -112,6 +114,7 @@ async def connect(
         options["user_credentials"] = creds
     if tls is not None:
         options["tls"] = tls
+    options.update(extra_options or {})
     nc = Client()
     try:
         await nc.connect(**options)

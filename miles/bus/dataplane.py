@@ -222,8 +222,10 @@ class WeightStore:
         timeout_s: float = 60.0,
         storage: Storage = "file",
         kind: Kind = "full",
+        ensure: bool = True,
     ) -> WeightStore:
-        """Ensure the run's weight stream exists (idempotent; any actor may call it first).
+        """Ensure the run's weight stream exists (idempotent; any actor may call it first), or with
+        ``ensure=False`` only bind to it (an identity that may not create streams: the setup step made it).
 
         ``chunk_bytes`` defaults to (and is capped at) the server's ``max_payload`` minus a little headroom;
         it only shapes what this store puts, readers follow each version's manifest. ``fetch``
@@ -252,7 +254,8 @@ class WeightStore:
             timeout_s=timeout_s,
             kind=kind,
         )
-        await store._ensure_stream(replicas, storage)
+        if ensure:
+            await store._ensure_stream(replicas, storage)
         return store
 
     def sibling(self, kind: Kind, keep_versions: int | None = None) -> WeightStore:

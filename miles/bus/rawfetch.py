@@ -71,6 +71,7 @@ class Endpoint:
     tls_hostname: str | None
     auth: AuthFields
     name: str
+    inbox_prefix: bytes = b"_INBOX"  # the client's: with per-role identities, replies reach only the role's inboxes
 
 
 def endpoint_from_client(nc: Client) -> Endpoint | None:
@@ -129,6 +130,7 @@ def endpoint_from_client(nc: Client) -> Endpoint | None:
         tls_hostname=opts.get("tls_hostname"),
         auth=auth,
         name=name,
+        inbox_prefix=bytes(getattr(nc, "_inbox_prefix", b"_INBOX")),
     )
 
 
@@ -458,7 +460,7 @@ async def fetch_chunks(
     """
     if not requests:
         return
-    inbox = b"_INBOX.%s" % secrets.token_hex(11).encode()
+    inbox = b"%s.%s" % (endpoint.inbox_prefix, secrets.token_hex(11).encode())
     conn = await _open(endpoint, inbox, timeout_s)
     getter = _DirectGet(
         conn,

@@ -43,6 +43,8 @@ M = TypeVar("M", bound=Message)
 
 Version = Annotated[int, Field(ge=-1, lt=MAX_SAFE_INT)]
 Count = Annotated[int, Field(ge=0, lt=MAX_SAFE_INT)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
 
 # --------------------------------------------------------------------------- work items
@@ -83,8 +85,8 @@ class Episode(Message):
     """
 
     KIND: ClassVar[str] = "episode"
-    prompt_ids: list[int] = Field(min_length=1)
-    token_ids: list[int]
+    prompt_ids: list[TokenId] = Field(min_length=1)
+    token_ids: list[TokenId]
     loss_mask: list[int]
     logprobs: list[float]
     turns: list[tuple[int, int, Literal["model", "env"]]]
@@ -172,6 +174,14 @@ class Trajectory(Message):
     episodes: list[Episode] = Field(min_length=1)
     issued_at_version: Version
     gen_s: float = Field(ge=0, description="Wall time the worker spent on this group's episodes.")
+    ticket: bytes = Field(
+        b"",
+        description="The prompt group this answers, byte for byte as the controller published it (optional; "
+        "required when the run signs: the trainer checks the controller's signature over it).",
+    )
+    ticket_signature: str = Field(
+        "", description="The Miles-Signature header the prompt group was published with ('' when unsigned)."
+    )
 
     @property
     def trained_episodes(self) -> list[Episode]:
@@ -214,7 +224,7 @@ class EvalShardResult(Message):
     worker_id: str
     version: Version = Field(description="The version the shard was evaluated at.")
     samples: Count
-    reward_sum: float
+    reward_sum: FiniteFloat
     failed: Count = Field(0, description="Samples whose reward failed (scored 0, counted here).")
     tokens: Count = Field(0, description="Completion tokens generated.")
 
@@ -269,6 +279,9 @@ class WeightsAnnounced(Message):
         "'location'; readers outside the group wait for a bus announcement of a newer version).",
     )
     location: str = Field("", description="fs: the version's directory name; broadcast: the group's name.")
+    payload_sha256: str = Field(
+        "", description="SHA-256 hex of the payload (bus.payload_sha256; '' when not computed), docs/security.md."
+    )
 
     @model_validator(mode="after")
     def _check_mode(self) -> WeightsAnnounced:
@@ -291,11 +304,11 @@ class WeightsHeld(Message):
 
     KIND: ClassVar[str] = "weights_held"
     worker_id: str
-    version: int
+    version: Version
     state_digest: str = Field(description="state_digest of the rollout-precision state the worker holds.")
     mode: str = Field(description="How the worker got it: the announcement's mode (full, delta, ...).")
-    fetch_bytes: int = Field(0, description="Bytes downloaded to reach this version.")
-    pause_s: float = Field(0.0, description="Generation pause the switch cost, in seconds.")
+    fetch_bytes: Count = Field(0, description="Bytes downloaded to reach this version.")
+    pause_s: FiniteFloat = Field(0.0, ge=0, description="Generation pause the switch cost, in seconds.")
 
 
 class Heartbeat(Message):
@@ -304,10 +317,10 @@ class Heartbeat(Message):
     KIND: ClassVar[str] = "heartbeat"
     role: str
     actor_id: str
-    version: int = Field(-1, description="Policy version the actor holds (-1: none).")
+    version: Version = Field(-1, description="Policy version the actor holds (-1: none).")
     state: str = "running"
     stats: dict[str, float] = Field(default_factory=dict)
-    ts: float = Field(default_factory=time.time)
+    ts: FiniteFloat = Field(default_factory=time.time)
 
 
 class GroupsDiscarded(Message):
@@ -318,10 +331,11 @@ class GroupsDiscarded(Message):
     sample_ids: list[str]
     requeue: bool = Field(description="True: the controller re-issues these prompts; False: dropped.")
     trainer_version: Version
-    reason: Literal["stale", "no_signal", "infra"] = Field(
+    reason: Literal["stale", "no_signal", "infra", "invalid"] = Field(
         "stale",
         description="stale: older than the staleness bound; no_signal: no episode of the group can be trained "
-        "(every one failed or was infra-excluded).",
+        "(every one failed or was infra-excluded); invalid: the trainer refused the group's trajectory (tokens "
+        "outside the vocabulary, a version never published: docs/security.md), so the group is issued again.",
     )
 
     @model_validator(mode="after")
@@ -337,6 +351,9 @@ class Control(Message):
     KIND: ClassVar[str] = "control"
     command: Literal["stop"]
     reason: str = ""
+    run_instance: str = Field(
+        "", description="The run instance it is for (state bucket key run_instance); any other is not obeyed."
+    )
 
 
 # --------------------------------------------------------------------------- metrics
@@ -349,7 +366,7 @@ class StepMetrics(Message):
     step: Count = Field(description="The step's index along the surviving lineage (0-based).")
     policy_version: Version = Field(description="The version these weights were published as.")
     metrics: dict[str, float]
-    trained_group_ids: list[str]
+    trained_group_ids: list[Annotated[str, Field(pattern=r"^g[0-9]+$")]]
     staleness: list[Count] = Field(
         description="Per trained group: optimizer-step distance between the weights that generated its oldest "
         "token and the weights it was trained into."

@@ -1,7 +1,12 @@
-"""Idempotent creation of a run's JetStream streams, durable consumers and state bucket.
+"""Idempotent creation of a run's JetStream streams, durable consumers and buckets: the setup step.
 
-Every actor calls :func:`ensure_run_streams` on start, so the order in which processes come up
-on different machines does not matter. An existing stream is updated to the wanted config.
+:func:`ensure_run_streams` creates (or updates to the wanted config) everything a run's actors bind to:
+the work, trajectory, event, metric and dead-letter streams, both weight data-plane streams, every
+durable consumer (the rollout workers', the trainer's and the controller's), the state bucket and the
+run-info bucket. With per-role credentials only the ``setup`` identity may do this (an identity that may
+create a consumer could make the server publish for it, docs/security.md), so it runs once before the
+actors start (``miles-node --role setup``, which ``miles run`` does); the actors then only bind. On an
+open bus every actor runs it at start, so the order in which processes come up does not matter.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from nats.js.api import (
 )
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 
+from miles.bus.dataplane import WeightStore
 from miles.bus.subjects import Subjects
 
 DAY_S = 24 * 3600.0
@@ -47,7 +53,9 @@ def stream_configs(subjects: Subjects, replicas: int) -> list[StreamConfig]:
             storage=StorageType.FILE,
             num_replicas=replicas,
             max_age=7 * DAY_S,
+            allow_direct=True,  # a restarted trainer reads the batches of its lost steps by sequence
         ),
+        # Announcements and metrics are read in order by direct gets (miles.bus.follow), no consumer needed.
         StreamConfig(
             name=subjects.events_stream,
             subjects=[f"{subjects.run}.events.>"],
@@ -55,6 +63,7 @@ def stream_configs(subjects: Subjects, replicas: int) -> list[StreamConfig]:
             storage=StorageType.FILE,
             num_replicas=replicas,
             max_age=7 * DAY_S,
+            allow_direct=True,
         ),
         StreamConfig(
             name=subjects.metrics_stream,
@@ -63,6 +72,7 @@ def stream_configs(subjects: Subjects, replicas: int) -> list[StreamConfig]:
             storage=StorageType.FILE,
             num_replicas=replicas,
             max_age=30 * DAY_S,
+            allow_direct=True,
         ),
         StreamConfig(
             name=subjects.dlq_stream,
@@ -75,32 +85,32 @@ def stream_configs(subjects: Subjects, replicas: int) -> list[StreamConfig]:
     ]
 
 
-def consumer_configs(subjects: Subjects, ack_wait_s: float) -> dict[str, ConsumerConfig]:
-    """Durable pull consumers keyed by stream. Unacked work is redelivered after ``ack_wait_s``."""
-    return {
-        subjects.prompts_stream: ConsumerConfig(
-            durable_name=subjects.ROLLOUT_CONSUMER,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=ack_wait_s,
-            max_deliver=-1,
-            max_ack_pending=100_000,
-        ),
-        subjects.evalq_stream: ConsumerConfig(
-            durable_name=subjects.ROLLOUT_EVAL_CONSUMER,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=ack_wait_s,
-            max_deliver=-1,
-            max_ack_pending=10_000,
-        ),
-        subjects.traj_stream: ConsumerConfig(
-            durable_name=subjects.TRAINER_CONSUMER,
+def consumer_configs(subjects: Subjects, ack_wait_s: float) -> list[tuple[str, ConsumerConfig]]:
+    """Every durable pull consumer of a run, as ``(stream, config)``. Unacked work is redelivered after
+    ``ack_wait_s``."""
+
+    def durable(name: str, *, filter_subject: str | None = None, max_ack_pending: int = 100_000) -> ConsumerConfig:
+        return ConsumerConfig(
+            durable_name=name,
+            filter_subject=filter_subject,
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.ALL,
             ack_wait=ack_wait_s,
             max_deliver=-1,
-            max_ack_pending=100_000,
-        ),
-    }
+            max_ack_pending=max_ack_pending,
+        )
+
+    s = subjects
+    return [
+        (s.prompts_stream, durable(s.ROLLOUT_CONSUMER)),
+        (s.evalq_stream, durable(s.ROLLOUT_EVAL_CONSUMER, max_ack_pending=10_000)),
+        (s.traj_stream, durable(s.TRAINER_CONSUMER)),
+        # The controller's inputs: durable, so a restarted controller resumes where it stopped.
+        (s.events_stream, durable(s.CONTROLLER_EVENTS_CONSUMER, filter_subject=s.discarded)),
+        (s.events_stream, durable(s.CONTROLLER_WEIGHTS_CONSUMER, filter_subject=s.weights_held)),
+        (s.events_stream, durable(s.CONTROLLER_EVAL_CONSUMER, filter_subject=s.eval_results)),
+        (s.metrics_stream, durable(s.CONTROLLER_METRICS_CONSUMER, filter_subject=s.metrics_all)),
+    ]
 
 
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
@@ -115,13 +125,21 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     await js.update_stream(config)
 
 
+async def _ensure_bucket(js: JetStreamContext, bucket: str, replicas: int) -> None:
+    try:
+        await js.key_value(bucket)
+    except (BucketNotFoundError, NotFoundError):  # which one depends on the nats-py version
+        # direct: reads are direct gets by key, which a bind-only identity may make
+        await js.create_key_value(bucket=bucket, history=1, replicas=replicas, direct=True)
+
+
 async def ensure_run_streams(js: JetStreamContext, subjects: Subjects, *, replicas: int, ack_wait_s: float) -> None:
-    """Create (or update) the run's streams, its durable consumers and its state bucket."""
+    """Create (or update) the run's streams, weight streams, durable consumers and buckets (idempotent)."""
     for config in stream_configs(subjects, replicas):
         await _ensure_stream(js, config)
-    for stream, consumer in consumer_configs(subjects, ack_wait_s).items():
+    for kind in ("full", "delta"):
+        await WeightStore.create(js, subjects.run, replicas=replicas, kind=kind)
+    for stream, consumer in consumer_configs(subjects, ack_wait_s):
         await js.add_consumer(stream, consumer)  # idempotent for an identical config
-    try:
-        await js.key_value(subjects.state_bucket)
-    except (BucketNotFoundError, NotFoundError):  # which one depends on the nats-py version
-        await js.create_key_value(bucket=subjects.state_bucket, history=1, replicas=replicas)
+    await _ensure_bucket(js, subjects.state_bucket, replicas)
+    await _ensure_bucket(js, subjects.runinfo_bucket, replicas)

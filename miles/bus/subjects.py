@@ -68,9 +68,10 @@ class Subjects:
     def metrics_all(self) -> str:
         return f"{self.run}.metrics.>"
 
-    def dead_letter(self, origin: str) -> str:
-        """Where a message that failed to decode on ``origin`` is parked (origin's dots become '_')."""
-        return f"{self.run}.dlq.{origin.replace('.', '_')}"
+    def dead_letter(self, role: str, origin: str) -> str:
+        """Where an actor of ``role`` parks a message it refused on subject ``origin`` (dots become '_'); the
+        role token is the refusing actor's own, which is all its permissions let it publish under."""
+        return f"{self.run}.dlq.{role}.{origin.replace('.', '_')}"
 
     # streams
     @property
@@ -106,7 +107,13 @@ class Subjects:
     CONTROLLER_METRICS_CONSUMER: ClassVar[str] = "controller-metrics"
     CONTROLLER_WEIGHTS_CONSUMER: ClassVar[str] = "controller-weights"
 
-    # key-value bucket of run state
+    # key-value buckets
     @property
     def state_bucket(self) -> str:
+        """Run state: the controller's admission state, the trainer's version, the run instance, the status."""
         return f"{self.run}_STATE"
+
+    @property
+    def runinfo_bucket(self) -> str:
+        """What a worker needs to join the run with nothing but a URL and credentials (docs/protocol.md)."""
+        return f"{self.run}_RUNINFO"

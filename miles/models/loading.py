@@ -7,6 +7,7 @@ everywhere: a mismatch there would silently make behaviour and training log-prob
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -139,3 +140,14 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model_dir: str | Path | N
             raise ValueError(f"{path}: eos_token_id must be token ids of the tokenizer, got {listed!r}")
         ids.extend(listed)
     return list(dict.fromkeys(ids))
+
+
+def vocab_size(model_dir: str | Path) -> int:
+    """The model's vocabulary size from its ``config.json`` (a multimodal config's text part included): token
+    ids at or above it can only come from a buggy or forged trajectory."""
+    path = Path(model_dir) / "config.json"
+    config = json.loads(path.read_text())
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"{path}: no vocab_size")
+    return size

@@ -105,6 +105,8 @@ class RunState:
     prompts_waiting: int | None = None
     trajectories_waiting: int | None = None
     dead_lettered: int | None = None
+    refusals: dict[str, dict[str, float]] = field(default_factory=dict)  # actor -> its refusal counters
+    unverified: int = 0  # messages this monitor skipped: no valid signature where the run signs
     trained_groups: CounterRate = field(init=False)
     trained_tokens: CounterRate = field(init=False)
     _groups_total: int = 0
@@ -114,9 +116,33 @@ class RunState:
         self.trained_groups = CounterRate(self.rate_window_s)
         self.trained_tokens = CounterRate(self.rate_window_s)
 
+    def _refused(self) -> dict[str, Any]:
+        """What the actors refused (from their heartbeats), and the alarms to show in red."""
+        by_category: dict[str, int] = {}
+        for counts in self.refusals.values():
+            for key, value in counts.items():
+                if key.startswith("refused_"):
+                    name = key[len("refused_") :]
+                    by_category[name] = by_category.get(name, 0) + int(value)
+        alarms = []
+        unsigned = by_category.get("unsigned", 0) + self.unverified
+        if unsigned:
+            alarms.append(f"{unsigned} messages without a valid signature refused (forged or altered)")
+        audit = self._weights_audit()
+        if audit is not None and audit["mismatches"]:
+            alarms.append(f"{audit['mismatches']} held-weight reports did not match the announced weights")
+        return {
+            "refused": dict(sorted(by_category.items())),
+            "refused_total": sum(int(c.get("dead_lettered", 0)) for c in self.refusals.values()),
+            "alarms": alarms,
+        }
+
     # ------------------------------------------------------------------ inputs
 
     def on_heartbeat(self, hb: Heartbeat) -> None:
+        counts = {k: v for k, v in hb.stats.items() if k == "dead_lettered" or k.startswith("refused_")}
+        if counts:
+            self.refusals[hb.actor_id] = counts
         if hb.role == "trainer":
             if self.trainer is None or hb.ts >= self.trainer.ts:
                 self.trainer = hb
@@ -365,6 +391,7 @@ class RunState:
             },
             "weights": self._weights_audit(),
             "dead_lettered": self.dead_lettered,
+            **self._refused(),
             "evals": {str(k): a for k, a in evals.items()},
             "eval_results": eval_results,
             "eval_accuracy": evals[max(evals)] if evals else None,

@@ -154,6 +154,7 @@ def _flow(snap: dict[str, Any]) -> Table:
         ("trained trajectories/s", f"{r['trained_trajectories_per_s']:.2f}"),
         ("trained tokens/s (last step)", _fmt(r["step_tokens_per_s"], ".0f")),
         ("dropped / requeued", f"{d['dropped']} / {d['requeued']}"),
+        ("refused by actors", _fmt(snap.get("refused_total"))),
         ("dead letters (DLQ stream)", _fmt(snap["dead_lettered"])),
     ]
     if snap["controller"] is not None:
@@ -247,4 +248,5 @@ def render(snap: dict[str, Any]) -> RenderableType:
     middle.add_column()
     middle.add_row(_histogram(snap), _flow(snap))
     middle.add_row(_step(snap), Text(""))
-    return Group(_header(snap), _workers(snap), _episodes(snap), middle, _trend(snap))
+    alarms = [Text(f"ALARM: {a}", style="bold red") for a in snap.get("alarms", [])]
+    return Group(_header(snap), *alarms, _workers(snap), _episodes(snap), middle, _trend(snap))

@@ -16,10 +16,13 @@ secret 0600)::
         user.nk                    the role's login seed (nats-py ``nkeys_seed``)
         client-cert.pem, client-key.pem, ca.pem
         signing.pub                the trainer's public signing key (every role verifies with it)
-        signing.nk                 trainer only: the signing seed
+        controller-signing.pub     the controller's public signing key (every role verifies with it)
+        signing.nk                 trainer only: the trainer's signing seed
+        controller-signing.nk      controller only: the controller's signing seed
 
 The run nonce (128 random bits) names this *instance* of the run: it is part of every signed
-announcement, so a new run under the same name needs a new bundle, and a restarted run keeps its own.
+message and every control command, so a new run under the same name needs a new bundle, and a restarted
+run keeps its own.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from miles.security.fleet import DEFAULT_HUB_DOMAIN, DEFAULT_LEAF_LISTEN, Fleet,
 from miles.security.identities import Identity, account_name, generate_identities, render_account, render_accounts
 from miles.security.nkey import KeyPair, NkeyError
 from miles.security.permissions import ROLES, Role, check_run_name, inbox_prefix
-from miles.security.signing import AnnouncementSigner, AnnouncementVerifier
+from miles.security.signing import MessageSigner, MessageVerifier, Signer
 from miles.security.tls import (
     DEFAULT_DAYS,
     CertKey,
@@ -57,6 +60,11 @@ log = structlog.get_logger(__name__)
 BUNDLE_FILE = "bundle.json"
 IDENTITY_FILE = "identity.json"
 BUNDLE_FORMAT = 1
+# Signing role -> (public key file, seed file) in a role directory.
+_SIGNING_FILES: dict[Signer, tuple[str, str]] = {
+    "trainer": ("signing.pub", "signing.nk"),
+    "controller": ("controller-signing.pub", "controller-signing.nk"),
+}
 
 
 class CredentialsError(Exception):
@@ -111,7 +119,7 @@ def write_bundle(
     server = make_server_cert(ca, run, hostnames, days)
     nonce = secrets.token_hex(16)
     identities = generate_identities(run, ephemeral_consumers=ephemeral_consumers)
-    signing = KeyPair.generate("account")
+    signing = {"trainer": KeyPair.generate("account"), "controller": KeyPair.generate("account")}
     links = [Fleet.generate(run, f, ca, hub_domain=hub_domain, hostnames=hostnames, days=days) for f in fleets]
 
     _private_dir(out)
@@ -148,7 +156,8 @@ def write_bundle(
             "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "hostnames": list(hostnames),
             "ephemeral_consumers": ephemeral_consumers,
-            "signing_public_key": signing.public_key,
+            "signing_public_key": signing["trainer"].public_key,
+            "controller_signing_public_key": signing["controller"].public_key,
             "users": {role: identity.keys.public_key for role, identity in identities.items()},
             "fleets": {link.name: link.link.keys.public_key for link in links},
             "hub_domain": hub_domain if links else None,
@@ -159,16 +168,17 @@ def write_bundle(
 
 
 def _write_role(
-    role_dir: Path, run: str, nonce: str, identity: Identity, signing: KeyPair, ca: CertKey, days: int
+    role_dir: Path, run: str, nonce: str, identity: Identity, signing: dict[Signer, KeyPair], ca: CertKey, days: int
 ) -> None:
     role = identity.role
     write_secret(role_dir / "user.nk", (identity.keys.seed + "\n").encode())
     (role_dir / "user.pub").write_text(identity.keys.public_key + "\n")
     make_client_cert(ca, run, role, days).write(role_dir / "client-cert.pem", role_dir / "client-key.pem")
     (role_dir / "ca.pem").write_bytes(ca.cert_pem())
-    (role_dir / "signing.pub").write_text(signing.public_key + "\n")
-    if role == "trainer":
-        write_secret(role_dir / "signing.nk", (signing.seed + "\n").encode())
+    for signer, key in signing.items():
+        (role_dir / _SIGNING_FILES[signer][0]).write_text(key.public_key + "\n")
+        if role == signer:
+            write_secret(role_dir / _SIGNING_FILES[signer][1], (key.seed + "\n").encode())
     _write_json(
         role_dir / IDENTITY_FILE,
         {
@@ -179,7 +189,8 @@ def _write_role(
             "account": account_name(run),
             "inbox_prefix": inbox_prefix(run, role),
             "user_public_key": identity.keys.public_key,
-            "signing_public_key": signing.public_key,
+            "signing_public_key": signing["trainer"].public_key,
+            "controller_signing_public_key": signing["controller"].public_key,
         },
     )
 
@@ -222,7 +233,8 @@ class RoleCredentials:
     role: Role
     account: str
     inbox_prefix: str
-    signing_public_key: str
+    signing_public_key: str  # the trainer's
+    controller_signing_public_key: str
 
     @classmethod
     def load(cls, directory: str | Path, role: Role | None = None) -> RoleCredentials:
@@ -253,6 +265,7 @@ class RoleCredentials:
             account=meta["account"],
             inbox_prefix=meta["inbox_prefix"],
             signing_public_key=meta["signing_public_key"],
+            controller_signing_public_key=meta["controller_signing_public_key"],
         )
         for name in ("user.nk", "client-cert.pem", "client-key.pem", "ca.pem"):
             if not (creds.directory / name).is_file():
@@ -291,23 +304,29 @@ class RoleCredentials:
         """Keyword arguments for ``nats.aio.client.Client.connect`` that log in as this role."""
         return {"nkeys_seed": str(self.seed_file), "tls": self.ssl_context(), "inbox_prefix": self.inbox_prefix}
 
-    def verifier(self) -> AnnouncementVerifier:
-        """Verifies the trainer's announcements of this run instance."""
-        return AnnouncementVerifier.from_nkey(self.signing_public_key, run=self.run, run_nonce=self.run_nonce)
+    def verifier(self) -> MessageVerifier:
+        """Verifies the trainer's and the controller's signed messages of this run instance."""
+        keys: dict[Signer, str] = {"trainer": self.signing_public_key, "controller": self.controller_signing_public_key}
+        return MessageVerifier.from_nkeys(keys, run=self.run, run_nonce=self.run_nonce)
 
-    def signer(self) -> AnnouncementSigner:
-        """The trainer's signer; :class:`CredentialsError` for any other role's directory."""
-        path = self.directory / "signing.nk"
+    def signer(self) -> MessageSigner:
+        """This role's signer (trainer or controller); :class:`CredentialsError` for a role that signs nothing."""
+        if self.role not in _SIGNING_FILES:
+            raise CredentialsError(f"role {self.role!r} signs nothing (only the trainer and the controller do)")
+        signer: Signer = self.role  # type: ignore[assignment]
+        public_name, seed_name = _SIGNING_FILES[signer]
+        path = self.directory / seed_name
         if not path.is_file():
-            raise CredentialsError(f"{self.directory} holds no signing key (only the trainer's directory does)")
+            raise CredentialsError(f"{path} is missing (the {signer}'s directory holds its signing seed)")
         _check_private(path)
         try:
             key = KeyPair.from_seed(path.read_text(), "account")
         except NkeyError as exc:
             raise CredentialsError(f"{path}: {exc}") from None
-        if key.public_key != self.signing_public_key:
-            raise CredentialsError(f"{path} does not match the signing public key of {IDENTITY_FILE}")
-        return AnnouncementSigner(key=key, run=self.run, run_nonce=self.run_nonce)
+        expected = self.signing_public_key if signer == "trainer" else self.controller_signing_public_key
+        if key.public_key != expected:
+            raise CredentialsError(f"{path} does not match the {signer} signing public key of {IDENTITY_FILE}")
+        return MessageSigner(key=key, signer=signer, run=self.run, run_nonce=self.run_nonce)
 
 
 def load_role(directory: str | Path, role: Role) -> RoleCredentials:

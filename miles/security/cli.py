@@ -31,7 +31,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(prog: str = "miles creds") -> argparse.ArgumentParser:
     p = _Parser(
         prog=prog,
-        description="Generate per-role NATS identities, TLS certificates and the trainer's signing key for a run.",
+        description="Generate per-role NATS identities, TLS certificates and the trainer's and the controller's "
+        "signing keys for a run.",
     )
     p.add_argument("--run", required=True, help="Run name (the recipe's `name:`), [A-Za-z0-9_-]+.")
     p.add_argument("--out", help="Bundle directory (default: runs/<run>/auth).")

@@ -1,6 +1,6 @@
 """NATS nkeys: ed25519 keys in the NATS text encoding (base32 of a type byte, the key and a CRC-16).
 
-Why nkeys for everything (logins and the trainer's signing key): every NATS client library already
+Why nkeys for everything (logins and the signing keys): every NATS client library already
 reads them, the text says what a key is for (``U...`` a user, ``A...`` an account-type key, ``S...``
 a seed), and the checksum catches a truncated copy-paste. Under the encoding they are plain RFC 8032
 ed25519 keys, so a verifier in another language needs nothing NATS-specific beyond this decoding.

@@ -10,11 +10,11 @@ refusals again on every change); nothing is granted "just in case". Three decisi
   messages there on its own authority, past the creator's publish permissions: a rollout worker can
   publish bytes of its choosing on ``<run>.events.weights_held`` and have them delivered to anyone
   subscribed by name to, say, a heartbeat subject of another role (the server only refuses a deliver
-  subject that feeds the consumer's own stream). So a preparation step with the ``setup`` identity creates every stream, durable
-  consumer and bucket once; long-running actors only *bind* (pull from a named durable, ack) and read
-  by direct get. Readers that used ordered (push) consumers follow a subject with a core subscription
-  plus direct gets instead (see :mod:`miles.security.follow`). ``ephemeral_consumers=True`` restores
-  the ordered-consumer grants for code that has not moved yet, with that risk (docs/security.md).
+  subject that feeds the consumer's own stream). So a preparation step with the ``setup`` identity
+  creates every stream, durable consumer and bucket once (:mod:`miles.bus.setup`); long-running actors
+  only *bind* (pull from a named durable, ack) and read in order by direct get (:mod:`miles.bus.follow`).
+  ``ephemeral_consumers=True`` restores the ordered-consumer grants for code that has not moved yet,
+  with that risk (docs/security.md).
 * **Inboxes are per role** (``_INBOX.<run>.<role>``): replies to a trainer's request are not
   readable by a rollout worker subscribed to ``_INBOX.>``, because nobody may subscribe to that.
 * **Key-value writes are per key where the owner is known**: only the trainer writes
@@ -253,7 +253,8 @@ def _trainer(n: RunNames, inbox: str, compat: bool) -> Permissions:
         s.heartbeat("trainer", "*"),
         n.dead_letters("trainer"),
         *_pull(s.traj_stream, s.TRAINER_CONSUMER),
-        *_direct(s.traj_stream),
+        # a restarted trainer reads its own announcements and discards, and the batches of lost steps
+        *_direct(s.traj_stream, s.events_stream),
         # the data plane's writer: stream info lists stored versions, purge drops old ones
         *_info(n.weights_stream, n.delta_stream),
         *[f"{API}.STREAM.PURGE.{st}" for st in (n.weights_stream, n.delta_stream)],
@@ -280,6 +281,8 @@ def _controller(n: RunNames, inbox: str, compat: bool) -> Permissions:
         *_pull(s.metrics_stream, "*"),
         *_direct(s.events_stream),
         *_direct_last(s.events_stream),
+        # an announced version is believed only if the data plane holds it: its manifest, by leader read
+        *_msg_get(n.weights_stream, n.delta_stream),
         # queue depths (admission) and the run's dead-letter count
         *_info(*queues, s.dlq_stream),
         *[f"{API}.CONSUMER.INFO.{st}.*" for st in queues],
@@ -308,12 +311,15 @@ def _monitor(n: RunNames, inbox: str, compat: bool) -> Permissions:
         *_info(*n.streams),
         # work waiting and in flight: the queues' and the trainer's consumers
         *[f"{API}.CONSUMER.INFO.{st}.*" for st in (s.prompts_stream, n.evalq_stream, s.traj_stream)],
-        *_direct(s.metrics_stream),
+        # metrics and announcements, in order, by direct get (woken by core subscriptions)
+        *_direct(s.metrics_stream, s.events_stream),
+        *_direct_last(s.events_stream),
         *_kv_read(s.state_bucket),
     ]
     if compat:
         publish += _ordered_consumer(s.metrics_stream)
-    return Permissions(publish_allow=_unique(publish), subscribe_allow=(s.heartbeat("*", "*"), s.metrics_all, inbox))
+    subscribe = (s.heartbeat("*", "*"), s.metrics_all, s.weights, s.control, inbox)
+    return Permissions(publish_allow=_unique(publish), subscribe_allow=subscribe)
 
 
 _TABLE = {"setup": _setup, "rollout": _rollout, "trainer": _trainer, "controller": _controller, "monitor": _monitor}

@@ -1,114 +1,79 @@
-"""Signed weight announcements: the trainer signs each ``weights_announced``, everyone else verifies.
+"""Signed bus messages: the trainer and the controller sign what the rest of the run must believe.
 
-Why: NATS permissions stop a rollout identity from publishing an announcement, but not a party that
-sits between the trainer and a worker: a compromised hub or leaf server, a third-party fleet that
-mirrors the run's streams into its own JetStream domain, a mis-configured permission. An ed25519
-signature by a key only the trainer holds, over every field of the announcement, makes a forged or
-altered announcement detectable wherever it was relayed; since the announcement carries the digest
-of the payload (and ``payload_sha256`` when the trainer computes it), the payload's bytes are bound to
-the signature through it: nothing in the data plane needs a signature of its own.
+Why: NATS permissions stop a rollout identity from publishing an announcement or a stop, but not a party
+between the publisher and a reader: a compromised hub or leaf server, a third-party fleet that mirrors the
+run's streams into its own JetStream domain, a mis-configured permission. An ed25519 signature by a key only
+the publisher's role holds makes a forged or altered message detectable wherever it was relayed.
 
-The canonical byte encoding (docs/security.md spells it out byte for byte, for verifiers in other
-languages) is length-prefixed binary, not JSON: no float formatting, key order or Unicode
-normalisation to agree on. It starts with a tag naming the scheme, then the run name and the run
-instance's nonce (so an announcement of another run, or of an earlier run under the same name, does
-not verify), then each field in a fixed order. A field this scheme does not know makes signing and
-verification fail: it would otherwise travel unprotected.
+What is signed: the exact bytes published, not a re-encoding of their fields. The signature travels in
+the message's NATS headers (which JetStream stores, mirrors, sources and returns on a direct get), over
 
-The signing key is an account-type nkey (public key ``A...``), separate from every login key: a
-NATS server asks a client to sign a nonce of its choosing at login, so a key that also logs in could
-be made to sign announcement bytes by a malicious server.
+    TAG || str(run) || str(run_nonce) || str(subject) || u64(len(payload)) || payload
+
+(``str(s)`` = u32 big-endian byte length of UTF-8(s), then the bytes). So a verifier in any language needs
+no canonical encoding of fields: it checks the bytes it received, then decodes them. The run name and the
+run instance's nonce stop a message of another run, or of an earlier run under the same name, from
+verifying; the subject stops a signed message from being replayed onto another subject.
+
+Who signs what (:data:`SIGNED_BY`): the trainer its announcements, step metrics, discards and
+``trainer_done``; the controller its prompt groups, evaluation tasks, evaluation results and control
+commands. Each with its own key (account-type nkeys, ``A...`` public, ``SA...`` seed), separate from
+every login key: a NATS server asks a client to sign a nonce of its choosing at login, so a key that also
+logs in could be made to sign message bytes by a malicious server.
+
+The weight payload itself needs no signature: the signed announcement carries its size and xxh3-128
+digest, the ``state_digest`` of the state it reconstructs, and (``bus.payload_sha256``) its SHA-256,
+which :func:`verify_payload` checks (xxh3 is fast but not collision resistant).
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from miles.security.nkey import KeyPair, NkeyError, decode_public
 
-TAG = b"miles.weights_announced.v1\x00"
+TAG = b"miles.signed.v1\x00"
 SIGNATURE_BYTES = 64
-# Envelope keys and the signature itself are not signed (the tag stands for schema and kind).
-UNSIGNED_KEYS = frozenset({"schema", "kind", "signature"})
+SIGNATURE_HEADER = "Miles-Signature"
+SIGNER_HEADER = "Miles-Signer"
+
+Signer = Literal["trainer", "controller"]
+SIGNERS: tuple[Signer, ...] = ("trainer", "controller")
+
+# Message kind -> the role whose key signs it. A reader requires that signer's valid signature on these
+# kinds (with ``bus.require_signatures``); every other kind is unsigned and relies on the server's permissions.
+SIGNED_BY: dict[str, Signer] = {
+    "weights_announced": "trainer",
+    "step_metrics": "trainer",
+    "groups_discarded": "trainer",
+    "trainer_done": "trainer",
+    "prompt_group": "controller",
+    "eval_task": "controller",
+    "eval_result": "controller",
+    "control": "controller",
+}
 
 
 class SignatureError(ValueError):
-    """An announcement whose signature is missing, malformed, made by another key, or over other fields."""
+    """A message whose signature is missing, malformed, made by another key, or over other bytes."""
 
 
-def _str(value: Any, name: str) -> bytes:
-    if not isinstance(value, str):
-        raise SignatureError(f"announcement field {name} must be a string, got {type(value).__name__}")
+def _str(value: str) -> bytes:
     data = value.encode("utf-8")
     return struct.pack(">I", len(data)) + data
 
 
-def _i64(value: Any, name: str) -> bytes:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SignatureError(f"announcement field {name} must be an integer, got {type(value).__name__}")
-    if not -(2**63) <= value < 2**63:
-        raise SignatureError(f"announcement field {name} is out of the signed 64-bit range")
-    return struct.pack(">q", value)
-
-
-def _opt_i64(value: Any, name: str) -> bytes:
-    return b"\x00" if value is None else b"\x01" + _i64(value, name)
-
-
-def _f64(value: Any, name: str) -> bytes:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SignatureError(f"announcement field {name} must be a number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise SignatureError(f"announcement field {name} must be finite")
-    return struct.pack(">d", value)
-
-
-_MISSING = object()
-Encoder = Callable[[Any, str], bytes]
-# (field, encoding, default when absent). Defaults are the schema's (miles.bus.schema.WeightsAnnounced),
-# so a message that omits a defaulted field signs the same as one that spells it out.
-FIELDS: tuple[tuple[str, Encoder, Any], ...] = (
-    ("version", _i64, _MISSING),
-    ("digest", _str, _MISSING),
-    ("size", _i64, _MISSING),
-    ("chunks", _i64, _MISSING),
-    ("mode", _str, "full"),
-    ("base_version", _opt_i64, None),
-    ("format", _str, "safetensors"),
-    ("dtype", _str, "bfloat16"),
-    ("published_at", _f64, _MISSING),
-    ("state_digest", _str, ""),
-    ("precision", _str, "bfloat16"),
-    ("payload_sha256", _str, ""),
-)
-SIGNED_KEYS = frozenset(name for name, _, _ in FIELDS)
-
-
-def canonical_bytes(fields: Mapping[str, Any], *, run: str, run_nonce: str) -> bytes:
-    """The bytes that are signed: ``TAG || str(run) || str(run_nonce) || field...`` (see docs/security.md).
-
-    ``fields`` is the announcement as a mapping (``WeightsAnnounced.model_dump()`` or the decoded
-    msgpack map); envelope keys and ``signature`` are ignored, any other unknown key is an error.
-    """
-    unknown = set(fields) - SIGNED_KEYS - UNSIGNED_KEYS
-    if unknown:
-        raise SignatureError(f"announcement fields not covered by {TAG[:-1].decode()}: {', '.join(sorted(unknown))}")
-    out = [TAG, _str(run, "run"), _str(run_nonce, "run_nonce")]
-    for name, encode, default in FIELDS:
-        value = fields.get(name, default)
-        if value is _MISSING:
-            raise SignatureError(f"announcement field {name} is missing")
-        out.append(encode(value, name))
-    return b"".join(out)
+def signed_bytes(subject: str, payload: bytes | bytearray | memoryview, *, run: str, run_nonce: str) -> bytes:
+    """The bytes a signature covers (see the module docstring; docs/security.md has a test vector)."""
+    body = bytes(payload)
+    return b"".join((TAG, _str(run), _str(run_nonce), _str(subject), struct.pack(">Q", len(body)), body))
 
 
 def payload_sha256(payload: bytes | bytearray | memoryview) -> str:
@@ -122,76 +87,77 @@ def payload_sha256(payload: bytes | bytearray | memoryview) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class AnnouncementSigner:
-    """The trainer's side: signs the announcements of one run instance."""
+class MessageSigner:
+    """One role's signing side (trainer or controller) for one run instance."""
 
     key: KeyPair
+    signer: Signer
     run: str
     run_nonce: str
 
     def __post_init__(self) -> None:
         if self.key.key_type != "account":
-            raise ValueError("the signing key must be an account-type nkey (seed 'SA...')")
+            raise ValueError("a signing key must be an account-type nkey (seed 'SA...')")
 
     @property
     def public_key(self) -> str:
         return self.key.public_key
 
-    def sign(self, fields: Mapping[str, Any]) -> str:
-        """The signature of ``fields``: 64 bytes ed25519, as 128 lower-case hex characters."""
-        message = canonical_bytes(fields, run=self.run, run_nonce=self.run_nonce)
+    def sign(self, subject: str, payload: bytes | bytearray | memoryview) -> str:
+        """The signature of ``payload`` on ``subject``: 64 bytes ed25519, as 128 lower-case hex characters."""
+        message = signed_bytes(subject, payload, run=self.run, run_nonce=self.run_nonce)
         return self.key.private_key().sign(message).hex()
+
+    def headers(self, subject: str, payload: bytes | bytearray | memoryview) -> dict[str, str]:
+        """The NATS headers that carry the signature."""
+        return {SIGNER_HEADER: self.signer, SIGNATURE_HEADER: self.sign(subject, payload)}
 
 
 @dataclass(frozen=True, slots=True)
-class AnnouncementVerifier:
-    """A worker's or the controller's side: the trainer's public key and the run instance it expects."""
+class MessageVerifier:
+    """Every reader's side: the public keys of the signing roles and the run instance it belongs to."""
 
-    public_key: Ed25519PublicKey
+    keys: Mapping[Signer, Ed25519PublicKey]
     run: str
     run_nonce: str
 
     @classmethod
-    def from_nkey(cls, public_nkey: str, *, run: str, run_nonce: str) -> AnnouncementVerifier:
-        try:
-            key = decode_public(public_nkey, "account")
-        except NkeyError as exc:
-            raise SignatureError(f"invalid trainer signing key: {exc}") from None
-        return cls(public_key=key, run=run, run_nonce=run_nonce)
+    def from_nkeys(cls, public_keys: Mapping[Signer, str], *, run: str, run_nonce: str) -> MessageVerifier:
+        keys: dict[Signer, Ed25519PublicKey] = {}
+        for signer, text in public_keys.items():
+            try:
+                keys[signer] = decode_public(text, "account")
+            except NkeyError as exc:
+                raise SignatureError(f"invalid {signer} signing key: {exc}") from None
+        return cls(keys=keys, run=run, run_nonce=run_nonce)
 
-    def verify(self, fields: Mapping[str, Any], signature: str | None = None) -> None:
-        """Raise :class:`SignatureError` unless ``signature`` (default: ``fields["signature"]``) is the
-        trainer's signature of exactly these fields for this run instance."""
-        if signature is None:
-            signature = fields.get("signature")
+    def verify(
+        self, subject: str, payload: bytes | bytearray | memoryview, headers: Mapping[str, str] | None, signer: Signer
+    ) -> None:
+        """Raise :class:`SignatureError` unless ``headers`` carry ``signer``'s valid signature of exactly
+        ``payload`` on ``subject`` for this run instance."""
+        headers = headers or {}
+        signature = headers.get(SIGNATURE_HEADER)
         if not signature:
-            raise SignatureError(f"announcement of version {fields.get('version')} is not signed")
-        if not isinstance(signature, str) or len(signature) != 2 * SIGNATURE_BYTES:
-            raise SignatureError("announcement signature must be 128 hex characters")
+            raise SignatureError(f"not signed (expected the {signer}'s signature)")
+        if headers.get(SIGNER_HEADER) != signer:
+            raise SignatureError(f"signed by {headers.get(SIGNER_HEADER)!r}, expected the {signer}")
+        if len(signature) != 2 * SIGNATURE_BYTES:
+            raise SignatureError(f"{SIGNATURE_HEADER} must be {2 * SIGNATURE_BYTES} hex characters")
         try:
             raw = bytes.fromhex(signature)
         except ValueError:
-            raise SignatureError("announcement signature is not hex") from None
-        message = canonical_bytes(fields, run=self.run, run_nonce=self.run_nonce)
+            raise SignatureError(f"{SIGNATURE_HEADER} is not hex") from None
+        key = self.keys.get(signer)
+        if key is None:
+            raise SignatureError(f"no public key of the {signer} to verify with")
         try:
-            self.public_key.verify(raw, message)
+            key.verify(raw, signed_bytes(subject, payload, run=self.run, run_nonce=self.run_nonce))
         except InvalidSignature:
             raise SignatureError(
-                f"announcement of version {fields.get('version')} has no valid signature by the trainer's key "
-                f"for run {self.run!r} (forged, altered, or from another run instance)"
+                f"no valid signature by the {signer}'s key for run {self.run!r} "
+                "(forged, altered, or from another run instance)"
             ) from None
-
-
-def sign_announcement(fields: Mapping[str, Any], *, key: KeyPair, run: str, run_nonce: str) -> str:
-    """One-shot :meth:`AnnouncementSigner.sign`."""
-    return AnnouncementSigner(key=key, run=run, run_nonce=run_nonce).sign(fields)
-
-
-def verify_announcement(
-    fields: Mapping[str, Any], signature: str | None = None, *, public_key: str, run: str, run_nonce: str
-) -> None:
-    """One-shot :meth:`AnnouncementVerifier.verify` with the trainer's public nkey (``A...``)."""
-    AnnouncementVerifier.from_nkey(public_key, run=run, run_nonce=run_nonce).verify(fields, signature)
 
 
 def verify_payload(payload: bytes | bytearray | memoryview, fields: Mapping[str, Any], *, required: bool) -> None:

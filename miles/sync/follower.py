@@ -35,13 +35,14 @@ from dataclasses import dataclass
 
 import structlog
 import torch
-from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from miles.bus.client import Bus
 from miles.bus.dataplane import WeightStore
 from miles.bus.errors import BusError, ChecksumMismatch, PayloadMissing
+from miles.bus.follow import follow
 from miles.bus.schema import WeightsAnnounced
 from miles.engines.base import StagingEngine
+from miles.security.signing import SignatureError, verify_payload
 from miles.sync.delta import DeltaError, apply_state_delta
 from miles.sync.engine_weights import EngineWeights
 from miles.sync.payload import deserialize_state
@@ -51,6 +52,8 @@ from miles.sync.transport.broadcast import BroadcastReceiver
 from miles.sync.transport.fs import FsTransport
 
 log = structlog.get_logger(__name__)
+
+KEEP_ANNOUNCED = 64  # announcements remembered (their state digests vouch for what a catch-up rebuilds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +78,10 @@ class WeightFollower:
         decoder: EngineWeights | None = None,
         fs: FsTransport | None = None,
         receiver: BroadcastReceiver | None = None,
+        require_payload_sha256: bool = False,
     ) -> None:
         self.bus = bus
+        self.require_payload_sha256 = require_payload_sha256  # bus.payload_sha256: refuse payloads without one
         self.store = store
         self.engine = engine
         self.fs = fs  # sync.transport 'fs': the shared weights directory
@@ -99,6 +104,8 @@ class WeightFollower:
         self.fetches = 0  # versions staged from a fetch
         self._bytes = 0  # bytes downloaded by the fetch in progress
         self.latest: WeightsAnnounced | None = None
+        self.announced: dict[int, WeightsAnnounced] = {}  # accepted announcements by version
+        self.states_refused = 0  # reconstructed states whose digest is not the announced one: never staged
         self._changed = asyncio.Condition()
         self._error: ValueError | None = None
         self.checksum_failures = 0
@@ -135,6 +142,7 @@ class WeightFollower:
             "last_fetch_bytes": float(self.last_fetch_bytes),
             "fetched_bytes": float(self.fetched_bytes),
             "fetches": float(self.fetches),
+            "states_refused": float(self.states_refused),
         }
 
     async def run(self, stopping: asyncio.Event) -> None:
@@ -143,25 +151,25 @@ class WeightFollower:
         The fetch runs as a child task so that announcements keep being read while a payload downloads; it is
         supervised here: an error in it (other than the handled fetch failures) re-raises from this method.
         """
-        config = ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
-        sub = await self.bus.js.subscribe(self.bus.subjects.weights, ordered_consumer=True, config=config)
+        s = self.bus.subjects
         fetcher: asyncio.Task[None] | None = None
+        announcements = follow(self.bus.nc, self.bus.js, s.events_stream, s.weights, stopping, start="last", poll_s=0.5)
         try:
-            while not stopping.is_set():
-                if fetcher is not None and fetcher.done():
-                    fetcher.result()  # re-raise: a dead fetcher must fail the worker, not stall it
-                try:
-                    msg = await sub.next_msg(timeout=0.5)
-                except asyncio.TimeoutError:
-                    continue
-                ann = await self.bus.decode_or_dead_letter(msg, WeightsAnnounced)
-                if ann is None or not self._is_news(ann):
-                    continue
-                self.latest = ann
-                async with self._changed:
-                    self._changed.notify_all()
-                if fetcher is None or fetcher.done():
-                    fetcher = asyncio.create_task(self._fetch_newest(), name="weights.fetch")
+            async with contextlib.aclosing(announcements):
+                async for raw in announcements:
+                    if fetcher is not None and fetcher.done():
+                        fetcher.result()  # re-raise: a dead fetcher must fail the worker, not stall it
+                    ann = await self.bus.accept(raw, WeightsAnnounced)  # signed by the trainer, or refused
+                    if ann is None or not self._is_news(ann):
+                        continue
+                    self.latest = ann
+                    self.announced[ann.version] = ann
+                    while len(self.announced) > KEEP_ANNOUNCED:
+                        del self.announced[min(self.announced)]
+                    async with self._changed:
+                        self._changed.notify_all()
+                    if fetcher is None or fetcher.done():
+                        fetcher = asyncio.create_task(self._fetch_newest(), name="weights.fetch")
             if fetcher is not None and fetcher.done():
                 fetcher.result()
         finally:
@@ -169,8 +177,6 @@ class WeightFollower:
                 fetcher.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await fetcher
-            with contextlib.suppress(Exception):  # best effort: the connection may already be closing
-                await sub.unsubscribe()
 
     async def _fetch_newest(self) -> None:
         """Fetch until the staged version is the newest announced one (skipping intermediate ones)."""
@@ -200,6 +206,19 @@ class WeightFollower:
             sparse, self._sparse = self._sparse, None
             try:
                 update, complete, digest = await asyncio.to_thread(self._decode, state)
+                vouched = self.announced.get(version)
+                if vouched is None or (vouched.state_digest and digest != vouched.state_digest):
+                    # What an accepted announcement vouches for, or nothing: a payload written into the data
+                    # plane by someone else (or a catch-up that ended on a version never announced) is refused.
+                    self.states_refused += 1
+                    log.error(
+                        "weights_state_refused",
+                        version=version,
+                        got=digest,
+                        announced=None if vouched is None else vouched.state_digest,
+                    )
+                    await asyncio.sleep(self.retry_s)
+                    continue
                 staged = False
                 if sparse is not None and sparse[0] == version and sparse[1] == self._last_staged:
                     # Delta fast path: only the changed elements are written during the pause, if the
@@ -276,10 +295,23 @@ class WeightFollower:
                 raise PayloadMissing(f"weights v{ann.version} went to a weight-update group this worker is not in")
             payload = await self.receiver.fetch(ann.version, ann.digest)
         else:
-            return await self._get(self.store, ann.version, digest)
+            payload = await self._get(self.store, ann.version, digest)
+            if check_digest:
+                await self._check_sha256(payload, ann)
+            return payload
         self._bytes += payload.nbytes
         self.fetched_bytes += payload.nbytes
+        await self._check_sha256(payload, ann)
         return payload
+
+    async def _check_sha256(self, payload: memoryview, ann: WeightsAnnounced) -> None:
+        """The payload's SHA-256 against the (signed) announcement's; a mismatch counts as a checksum failure."""
+        if not (ann.payload_sha256 or self.require_payload_sha256):
+            return
+        try:
+            await asyncio.to_thread(verify_payload, payload, ann.model_dump(), required=self.require_payload_sha256)
+        except SignatureError as exc:
+            raise ChecksumMismatch(str(exc)) from None
 
     async def _get(self, store: WeightStore, version: int, expected_digest: str | None = None) -> memoryview:
         payload = await store.get(version, expected_digest=expected_digest)
@@ -297,6 +329,7 @@ class WeightFollower:
         else:
             try:
                 payload = await self._get(delta_store, ann.version, ann.digest)
+                await self._check_sha256(payload, ann)
                 state, changes = await asyncio.to_thread(
                     apply_state_delta, base[1], payload, base[0], with_changes=True
                 )

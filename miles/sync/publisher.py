@@ -22,6 +22,7 @@ import torch
 from miles.bus.client import KEY_TRAINER_VERSION, Bus
 from miles.bus.dataplane import WeightStore
 from miles.bus.schema import WeightsAnnounced
+from miles.security.signing import payload_sha256
 from miles.sync.delta import encode_state_delta
 from miles.sync.payload import serialize_state
 from miles.sync.precision import state_digest
@@ -61,6 +62,8 @@ async def publish_weights(
     dtype: str,
     mode: Literal["full", "lora"] = "full",
     lineage: Lineage = Lineage(),
+    *,
+    sha256: bool = False,
 ) -> Published:
     """Upload ``state`` (a whole weight set, or a LoRA adapter for ``mode="lora"``) as ``version`` and
     announce it.
@@ -82,6 +85,7 @@ async def publish_weights(
         precision=dtype,
         mode=mode,
         state_digest=digest,
+        payload_sha256=await asyncio.to_thread(payload_sha256, payload) if sha256 else "",
     )
     published = await announce(bus, announcement)
     log.info("weights_published", version=version, step=lineage.step, mode=mode, bytes=info.size, chunks=info.chunks)
@@ -112,6 +116,7 @@ class WeightPublisher:
         delta_store: WeightStore | None = None,
         anchor_every: int = 10,
         level: int = 1,
+        sha256: bool = False,
     ) -> None:
         if mode == "delta" and delta_store is None:
             raise ValueError("delta mode needs a delta store (WeightStore kind='delta')")
@@ -124,6 +129,7 @@ class WeightPublisher:
         self.mode = mode
         self.anchor_every = anchor_every
         self.level = level
+        self.sha256 = sha256  # also announce every payload's SHA-256 (bus.payload_sha256)
         self._prev: tuple[int, dict[str, torch.Tensor]] | None = None  # last published version, its state
         self._anchor: int | None = None  # newest full anchor published by this process
         self.anchors = 0
@@ -145,7 +151,9 @@ class WeightPublisher:
     async def publish(self, state: dict[str, torch.Tensor], version: int, lineage: Lineage = Lineage()) -> Published:
         """Publish ``version`` (full, a delta, or a full anchor) and announce it."""
         if self.mode != "delta":
-            published = await publish_weights(self.bus, self.store, state, version, self.dtype, self.mode, lineage)
+            published = await publish_weights(
+                self.bus, self.store, state, version, self.dtype, self.mode, lineage, sha256=self.sha256
+            )
             self.last_bytes = published.announcement.size
             return published
         state = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
@@ -162,7 +170,9 @@ class WeightPublisher:
                 reason = "encoder_refused"
                 log.warning("weights_delta_refused", version=version, error=str(exc))
         if payload is None:
-            published = await publish_weights(self.bus, self.store, state, version, self.dtype, lineage=lineage)
+            published = await publish_weights(
+                self.bus, self.store, state, version, self.dtype, lineage=lineage, sha256=self.sha256
+            )
             self._anchor = version
             self.anchors += 1
             log.info("weights_anchor_published", version=version, reason=reason, bytes=published.announcement.size)
@@ -183,6 +193,7 @@ class WeightPublisher:
                 dtype=self.dtype,
                 precision=self.dtype,
                 state_digest=await asyncio.to_thread(state_digest, state),
+                payload_sha256=await asyncio.to_thread(payload_sha256, payload) if self.sha256 else "",
             )
             published = await announce(self.bus, ann)
             self.deltas += 1

@@ -30,6 +30,7 @@ in a gather rank 0 skipped.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -139,10 +140,17 @@ class PayloadLayout:
     header: bytes  # 8-byte little-endian length + JSON, space-padded to a multiple of 8 like safetensors
     size: int
     family: str | None = None  # model family whose quantization rule applies (None: the generic rule)
+    sha256: bool = False  # also hash the payload with SHA-256 (bus.payload_sha256, docs/security.md)
 
     @classmethod
     def plan(
-        cls, sources: Iterable[TensorSpec], precision: str, version: int, family: str | None = None
+        cls,
+        sources: Iterable[TensorSpec],
+        precision: str,
+        version: int,
+        family: str | None = None,
+        *,
+        sha256: bool = False,
     ) -> PayloadLayout:
         """Layout of the rollout-precision payload of ``sources`` (the model's full-tensor specs)."""
         tensors = tuple(rollout_specs(sources, precision, family))
@@ -162,8 +170,15 @@ class PayloadLayout:
         body = json.dumps(entries, separators=(",", ":")).encode()
         body += b" " * (-len(body) % 8)
         header = len(body).to_bytes(8, "little") + body
-        size = len(header) + offset
-        return cls(version=version, precision=precision, tensors=tensors, header=header, size=size, family=family)
+        return cls(
+            version=version,
+            precision=precision,
+            tensors=tensors,
+            header=header,
+            size=len(header) + offset,
+            family=family,
+            sha256=sha256,
+        )
 
     @property
     def names(self) -> list[str]:
@@ -179,6 +194,7 @@ class ExportSummary:
     digest: str  # xxh3-128 of the payload bytes (as WeightStore.put records it)
     state_digest: str  # precision.state_digest of the published tensors
     tensors: int
+    payload_sha256: str = ""  # with layout.sha256
 
 
 class Rechunker:
@@ -280,12 +296,15 @@ def encode_payload(layout: PayloadLayout, params: Iterable[tuple[str, torch.Tens
     """
     source = iter(params)
     payload_hash = xxhash.xxh3_128()
+    sha256 = hashlib.sha256() if layout.sha256 else None
     state_hash = StateHasher()
     written = 0
 
     def emit(piece: memoryview) -> None:
         nonlocal written
         payload_hash.update(piece)
+        if sha256 is not None:
+            sha256.update(piece)
         sink(piece)
         written += piece.nbytes
 
@@ -308,6 +327,7 @@ def encode_payload(layout: PayloadLayout, params: Iterable[tuple[str, torch.Tens
         digest=payload_hash.hexdigest(),
         state_digest=state_hash.hexdigest(),
         tensors=len(layout.tensors),
+        payload_sha256=sha256.hexdigest() if sha256 is not None else "",
     )
 
 

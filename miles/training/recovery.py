@@ -23,11 +23,11 @@ import asyncio
 from dataclasses import dataclass, field
 
 import structlog
-from nats.js.api import ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
+from nats.js.api import RawStreamMsg
 
 from miles.bus.client import Bus
-from miles.bus.schema import GroupsDiscarded, SchemaError, Trajectory, WeightsAnnounced, decode
+from miles.bus.follow import next_message
+from miles.bus.schema import GroupsDiscarded, Trajectory, WeightsAnnounced, decode
 
 log = structlog.get_logger(__name__)
 
@@ -53,49 +53,34 @@ class RecoveryPlan:
     replay: list[WeightsAnnounced]
 
 
-async def _read_subject(bus: Bus, subject: str, after_seq: int) -> list[tuple[int, bytes]]:
-    """Every message of ``subject`` in EVENTS with a stream sequence above ``after_seq``."""
-    try:
-        last = await bus.js.get_last_msg(bus.subjects.events_stream, subject)
-    except NotFoundError:
-        return []
-    if last.seq is None or last.seq <= after_seq:
-        return []
-    config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after_seq + 1)
-    sub = await bus.js.subscribe(subject, ordered_consumer=True, config=config)
-    out: list[tuple[int, bytes]] = []
-    try:
-        while True:
-            msg = await sub.next_msg(timeout=10.0)
-            seq = msg.metadata.sequence.stream
-            out.append((seq, msg.data))
-            if seq >= last.seq:
-                return out
-    finally:
-        await sub.unsubscribe()
+async def _read_subject(bus: Bus, subject: str, after_seq: int) -> list[RawStreamMsg]:
+    """Every message of ``subject`` in EVENTS with a stream sequence above ``after_seq`` (direct gets)."""
+    out: list[RawStreamMsg] = []
+    seq = after_seq
+    while (msg := await next_message(bus.js, bus.subjects.events_stream, subject, seq)) is not None:
+        out.append(msg)
+        seq = msg.seq or seq + 1
+    return out
 
 
 async def read_history(bus: Bus, after_seq: int) -> TrainerHistory:
-    """Announcements and discards published after ``after_seq`` (a malformed one is skipped: the trainer is
-    the only legitimate publisher, and what it wrote decodes)."""
+    """Announcements and discards published after ``after_seq``. Only what the trainer wrote counts: a
+    malformed message, or one without the trainer's signature when the run signs, is refused (a forged
+    announcement would otherwise make a restarted trainer replay batches of its choosing)."""
     history = TrainerHistory(last_seq=after_seq)
     announcements, discards = await asyncio.gather(
         _read_subject(bus, bus.subjects.weights, after_seq), _read_subject(bus, bus.subjects.discarded, after_seq)
     )
-    for seq, data in announcements:
-        try:
-            history.announcements.append((seq, decode(data, WeightsAnnounced)))
-        except SchemaError as exc:
-            log.warning("recovery_skipped_announcement", seq=seq, error=str(exc))
-        history.last_seq = max(history.last_seq, seq)
-    for seq, data in discards:
-        try:
-            event = decode(data, GroupsDiscarded)
-        except SchemaError as exc:
-            log.warning("recovery_skipped_discard", seq=seq, error=str(exc))
-            continue
-        history.discarded.extend(int(g[1:]) for g in event.group_ids)
-        history.last_seq = max(history.last_seq, seq)
+    for raw in announcements:
+        ann = await bus.accept(raw, WeightsAnnounced)
+        if ann is not None:
+            history.announcements.append((int(raw.seq or 0), ann))
+        history.last_seq = max(history.last_seq, int(raw.seq or 0))
+    for raw in discards:
+        event = await bus.accept(raw, GroupsDiscarded)
+        if event is not None:
+            history.discarded.extend(int(g[1:]) for g in event.group_ids)
+            history.last_seq = max(history.last_seq, int(raw.seq or 0))
     return history
 
 
@@ -119,6 +104,6 @@ async def fetch_batch(bus: Bus, seqs: list[int]) -> list[Trajectory]:
     """The trajectories at these TRAJ stream sequences (a replayed step's batch)."""
     out = []
     for seq in seqs:
-        raw = await bus.js.get_msg(bus.subjects.traj_stream, seq)
+        raw = await bus.js.get_msg(bus.subjects.traj_stream, seq, direct=True)
         out.append(decode(raw.data, Trajectory))
     return out

@@ -19,23 +19,22 @@ import msgpack
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
 
 from miles.bus.dataplane import WeightStore
+from miles.bus.follow import follow, last_message
 from miles.bus.server import EmbeddedNats
-from miles.bus.streams import stream_configs
+from miles.bus.streams import ensure_run_streams
 from miles.security.bundle import RoleCredentials, server_config, write_bundle
-from miles.security.follow import follow, last_message
 from miles.security.permissions import RunNames
 
 RUN = "sec"
 NAMES = RunNames(RUN)
 S = NAMES.subjects
-CONTROLLER_DURABLES = {  # (stream, durable, filter subject)
-    "controller-events": (S.events_stream, S.discarded),
-    "controller-weights": (S.events_stream, S.weights_held),
-    "controller-eval": (S.events_stream, NAMES.eval_results),
-    "controller-metrics": (S.metrics_stream, S.metrics_all),
+CONTROLLER_DURABLES = {  # durable -> (stream, filter subject), as the setup step makes them
+    S.CONTROLLER_EVENTS_CONSUMER: (S.events_stream, S.discarded),
+    S.CONTROLLER_WEIGHTS_CONSUMER: (S.events_stream, S.weights_held),
+    S.CONTROLLER_EVAL_CONSUMER: (S.events_stream, NAMES.eval_results),
+    S.CONTROLLER_METRICS_CONSUMER: (S.metrics_stream, S.metrics_all),
 }
 
 
@@ -127,25 +126,8 @@ async def as_role(server: EmbeddedNats, bundle: Path) -> AsyncIterator[Callable[
 
 
 async def prepare_run(js: JetStreamContext) -> None:
-    """What the setup step does: every stream, durable consumer and bucket of the run (post-rework layout)."""
-    direct = {S.traj_stream, S.events_stream, S.metrics_stream}
-    for config in stream_configs(S, replicas=1):
-        if config.name in direct:
-            config.allow_direct = True
-        await js.add_stream(config)
-    await js.add_stream(StreamConfig(name=NAMES.evalq_stream, subjects=[NAMES.evalq], retention="workqueue"))
-    await WeightStore.create(js, RUN, keep_versions=2)
-    await WeightStore.create(js, RUN, keep_versions=2, kind="delta")
-    explicit = dict(ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0, max_deliver=-1)
-    await js.add_consumer(S.prompts_stream, ConsumerConfig(durable_name=S.ROLLOUT_CONSUMER, **explicit))
-    await js.add_consumer(NAMES.evalq_stream, ConsumerConfig(durable_name=NAMES.ROLLOUT_EVAL_CONSUMER, **explicit))
-    await js.add_consumer(
-        S.traj_stream, ConsumerConfig(durable_name=S.TRAINER_CONSUMER, deliver_policy=DeliverPolicy.ALL, **explicit)
-    )
-    for durable, (stream, subject) in CONTROLLER_DURABLES.items():
-        await js.add_consumer(stream, ConsumerConfig(durable_name=durable, filter_subject=subject, **explicit))
-    await js.create_key_value(bucket=S.state_bucket, history=1, direct=True)
-    await js.create_key_value(bucket=NAMES.runinfo_bucket, history=1, direct=True)
+    """The setup step itself: every stream, durable consumer and bucket of the run."""
+    await ensure_run_streams(js, S, replicas=1, ack_wait_s=30.0)
 
 
 @pytest.fixture

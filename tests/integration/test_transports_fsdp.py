@@ -7,11 +7,10 @@ import asyncio
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from nats.aio.client import Client
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from miles.backends.distributed import distributed, find_free_port
+from miles.backends.distributed import distributed, find_free_port, spawn_ranks
 from miles.backends.fsdp_export import export_specs, iter_full_params
 from miles.bus.connect import connect
 from miles.bus.dataplane import WeightStore
@@ -105,7 +104,7 @@ def expected_state(kind: str, adapter_only: bool) -> dict[str, torch.Tensor]:
 
 
 async def test_two_rank_streamed_export_reads_back_as_the_whole_state(nc: Client, nats_server: str) -> None:
-    await asyncio.to_thread(mp.spawn, _rank_main, args=(find_free_port(), nats_server), nprocs=2, join=True)
+    await asyncio.to_thread(spawn_ranks, _rank_main, 2, find_free_port(), nats_server)
     store = await WeightStore.create(nc.jetstream(), "t", keep_versions=10)
     for version, precision, kind, adapter_only in CASES:
         expected = to_rollout_state(expected_state(kind, adapter_only), precision)

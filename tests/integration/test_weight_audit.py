@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.actors.controller import Controller, follow_weights_held
-from miles.actors.weight_audit import WeightAudit
+from miles.actors.controller import Controller, pull_messages
 from miles.bus.client import Bus
+from miles.bus.dataplane import WeightStore
 from miles.bus.schema import EvalShardResult, EvalTask, Heartbeat, TrainerDone, WeightsAnnounced, WeightsHeld, decode
 from miles.config import load_config
 from miles.sync.precision import state_digest, to_rollout_state
@@ -50,7 +50,7 @@ async def _answer_evaluations(bus: Bus, stop: asyncio.Event) -> list[EvalTask]:
                 (msg,) = await sub.fetch(1, timeout=0.2)
             except asyncio.TimeoutError:
                 continue
-            work = await bus.decode_or_dead_letter(msg, EvalTask)
+            work = await bus.accept(msg, EvalTask)
             assert work is not None
             result = EvalShardResult(
                 eval_id=work.eval_id,
@@ -109,21 +109,38 @@ async def test_controller_flags_a_worker_holding_other_weights(nats_server: str,
 
     await peer.nc.subscribe(s.heartbeat("controller", "*"), cb=on_heartbeat)
 
+    async def worker_heartbeats(stop: asyncio.Event) -> None:  # the two workers are alive
+        while not stop.is_set():
+            for wid in ("rollout-0", "rollout-1"):
+                await peer.emit(s.heartbeat("rollout", wid), Heartbeat(role="rollout", actor_id=wid, version=1))
+            await asyncio.sleep(0.1)
+
+    # The payload is in the data plane (the controller believes no announcement without it).
+    info = await (await WeightStore.create(peer.js, RUN)).put(1, b"payload bytes")
+
     # A report that overtakes its announcement, then garbage and a wrong kind on the same subject.
     await peer.publish(s.weights_held, WeightsHeld(worker_id="rollout-0", version=1, state_digest=digest, mode="full"))
     await peer.js.publish(s.weights_held, b"\xc1 not msgpack")
     await peer.publish(s.weights_held, Heartbeat(role="rollout", actor_id="rollout-9"))
 
-    bus = await Bus.open(cfg.bus, nats_server, RUN, "controller")
+    bus = await Bus.open(cfg.bus, nats_server, RUN, "controller", role="controller")
     controller = Controller(cfg, bus, tmp_path / "run")
-    task = asyncio.create_task(controller.run())
     evaluated = asyncio.Event()
+    beating = asyncio.create_task(worker_heartbeats(evaluated))
+    task = asyncio.create_task(controller.run())
     evaluator = asyncio.create_task(_answer_evaluations(peer, evaluated))
     try:
-        await peer.publish(
-            s.weights,
-            WeightsAnnounced(version=1, digest="payload", size=1, chunks=1, state_digest=digest, precision="fp8_e4m3"),
+        await until(lambda: {"rollout-0", "rollout-1"} <= controller.live_workers())
+        announced = WeightsAnnounced(
+            version=1,
+            step=2,
+            digest=info.digest,
+            size=info.size,
+            chunks=info.chunks,
+            state_digest=digest,
+            precision="fp8_e4m3",
         )
+        await peer.publish(s.weights, announced)
         await peer.publish(
             s.weights_held,
             WeightsHeld(worker_id="rollout-1", version=1, state_digest=wrong, mode="delta", fetch_bytes=10),
@@ -141,12 +158,12 @@ async def test_controller_flags_a_worker_holding_other_weights(nats_server: str,
         )
         await _until_dead_lettered(peer, 2)
         # Both bad messages were parked unchanged, with their origin, and not fed to the audit.
-        dlq = await peer.js.subscribe(s.dead_letter(s.weights_held), ordered_consumer=True)
+        dlq = await peer.js.subscribe(s.dead_letter("controller", s.weights_held), ordered_consumer=True)
         parked = [await dlq.next_msg(timeout=5) for _ in range(2)]
         await dlq.unsubscribe()
         assert parked[0].data == b"\xc1 not msgpack"
         assert all(m.headers["Miles-Origin"] == s.weights_held for m in parked)
-        assert "expected kind 'weights_held'" in parked[1].headers["Miles-Reason"]
+        assert "not a weights_held" in parked[1].headers["Miles-Reason"]
         # The live monitor reads the counters from the controller's heartbeat.
         await until(lambda: any(b.stats.get("weights_mismatches") == 1.0 for b in beats))
         last = [b for b in beats if b.stats.get("weights_mismatches") == 1.0][-1]
@@ -160,6 +177,7 @@ async def test_controller_flags_a_worker_holding_other_weights(nats_server: str,
             await asyncio.wait_for(task, timeout=30)
         evaluated.set()
         shards = await asyncio.wait_for(evaluator, timeout=30)
+        await beating
         await bus.close()
     assert {(t.eval_id, t.version) for t in shards} == {("v1", 1)}  # the first version is also the last
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -170,29 +188,28 @@ async def test_controller_flags_a_worker_holding_other_weights(nats_server: str,
 
 async def _until_dead_lettered(bus: Bus, n: int, timeout_s: float = 20.0) -> None:
     for _ in range(int(timeout_s / 0.05)):
-        if await bus.dead_letter_count() == n:
+        if await bus.dead_letter_stream_size() == n:
             return
         await asyncio.sleep(0.05)
-    raise AssertionError(f"DLQ never held {n} messages (has {await bus.dead_letter_count()})")
+    raise AssertionError(f"DLQ never held {n} messages (has {await bus.dead_letter_stream_size()})")
 
 
-async def test_weights_held_consumer_is_durable_and_idempotent(peer: Bus) -> None:
-    """A second follower (a restarted controller) binds to the same consumer and gets only new reports."""
+async def test_the_controllers_durables_resume_where_they_stopped(peer: Bus) -> None:
+    """A second reader of the controller's durable (a restarted controller) binds to it and gets only new
+    reports: the setup step made the consumer, the controller never creates one."""
     s = peer.subjects
-    first, done = WeightAudit(), asyncio.Event()
-    task = asyncio.create_task(follow_weights_held(peer, first, done, ack_wait_s=5.0))
-    await peer.publish(s.weights_held, WeightsHeld(worker_id="w", version=1, state_digest="a", mode="full"))
-    await until(lambda: len(first.held) == 1)
-    done.set()
-    await task
 
-    second, done = WeightAudit(), asyncio.Event()
-    task = asyncio.create_task(follow_weights_held(peer, second, done, ack_wait_s=5.0))
-    await peer.publish(s.weights_held, WeightsHeld(worker_id="w", version=2, state_digest="b", mode="full"))
-    await until(lambda: len(second.held) == 1)
-    await asyncio.sleep(0.5)  # time for a wrongly redelivered first report to show up
-    done.set()
-    await task
-    assert [r.version for r in second.held.values()] == [2]
+    async def read_one(version: int) -> int:
+        await peer.publish(s.weights_held, WeightsHeld(worker_id="w", version=version, state_digest="a", mode="full"))
+        done = asyncio.Event()
+        messages = pull_messages(peer, s.events_stream, s.CONTROLLER_WEIGHTS_CONSUMER, done)
+        msg = await asyncio.wait_for(anext(messages), 10)
+        await msg.ack()
+        done.set()
+        await messages.aclose()
+        return decode(msg.data, WeightsHeld).version
+
+    assert await read_one(1) == 1
+    assert await read_one(2) == 2  # not a redelivery of the first
     info = await peer.js.consumer_info(s.events_stream, s.CONTROLLER_WEIGHTS_CONSUMER)
     assert info.num_pending == 0 and info.num_ack_pending == 0

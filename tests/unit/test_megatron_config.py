@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -265,3 +266,20 @@ def test_megatron_accepts_the_translated_config(hf: dict) -> None:
     assert config.num_layers == hf["num_hidden_layers"] and config.calculate_per_token_loss
     assert config.tensor_model_parallel_size == 2 and config.hidden_dropout == 0.0
     assert type(config).__name__ == ("MLATransformerConfig" if args.mla else "TransformerConfig")
+
+
+@NEEDS_MEGATRON
+def test_miles_prepare_without_a_gpu_exits_2_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from miles.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    recipe = str(Path(__file__).parents[2] / "recipes" / "quickstart.yaml")
+    assert main(["prepare", recipe, "--set", "trainer.backend.type=megatron"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert errors == [
+        "miles: error: trainer.backend.type=megatron needs a CUDA GPU (none is visible); use trainer.backend.type=fsdp"
+    ]

@@ -70,7 +70,7 @@ def _step(step: int, staleness: list[int], reward: float, **metrics: float) -> S
         step=step,
         policy_version=step + 1,
         metrics={"reward_mean": reward, "step_s": 2.0, "tokens_per_s": 50.0, **metrics},
-        trained_group_ids=[f"g{step}-{i}" for i in range(len(staleness))],
+        trained_group_ids=[f"g{step * 100 + i}" for i in range(len(staleness))],
         staleness=staleness,
     )
 

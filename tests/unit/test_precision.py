@@ -190,7 +190,8 @@ def test_clear_errors() -> None:
     with pytest.raises(ValueError, match=f"{DOWN}: fp4 codes without"):
         from_rollout_state({k: v for k, v in fp4.items() if k != DOWN + SCALE_SUFFIX}, torch.float32)
     bad = fp4[DOWN + SCALE_SUFFIX][:, :2]
-    with pytest.raises(ValueError, match=rf"{DOWN}: fp4 scales must be float8_e8m0fnu shaped like the \(64, 128\) elements"):
+    expected = rf"{DOWN}: fp4 scales must be float8_e8m0fnu shaped like the \(64, 128\) elements"
+    with pytest.raises(ValueError, match=expected):
         from_rollout_state({**fp4, DOWN + SCALE_SUFFIX: bad}, torch.float32)
     with pytest.raises(ValueError, match="unknown rollout precision"):
         to_rollout_state(_state(), "fp16")

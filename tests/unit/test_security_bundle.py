@@ -15,6 +15,7 @@ from miles.security.bundle import CredentialsError, RoleCredentials, load_role, 
 from miles.security.cli import main_creds
 from miles.security.config import BusSecurityFields, resolve_credentials
 from miles.security.permissions import ROLES
+from miles.security.signing import SignatureError
 
 RUN = "b1"
 
@@ -28,7 +29,7 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-def test_secrets_are_private_and_only_the_trainer_holds_the_signing_seed(bundle: Path) -> None:
+def test_secrets_are_private_and_each_signer_alone_holds_its_seed(bundle: Path) -> None:
     assert mode(bundle) == 0o700
     assert mode(bundle / "ca" / "ca-key.pem") == 0o600
     assert mode(bundle / "server" / "server-key.pem") == 0o600
@@ -37,7 +38,9 @@ def test_secrets_are_private_and_only_the_trainer_holds_the_signing_seed(bundle:
         assert mode(bundle / role / "user.nk") == 0o600
         assert mode(bundle / role / "client-key.pem") == 0o600
         assert (bundle / role / "signing.nk").exists() == (role == "trainer")
+        assert (bundle / role / "controller-signing.nk").exists() == (role == "controller")
     assert mode(bundle / "trainer" / "signing.nk") == 0o600
+    assert mode(bundle / "controller" / "controller-signing.nk") == 0o600
     assert not list((bundle / "rollout").glob("*ca-key*"))
 
 
@@ -47,6 +50,7 @@ def test_role_directories_are_self_contained_and_agree(bundle: Path) -> None:
         creds = load_role(bundle, role)
         assert (creds.run, creds.role, creds.run_nonce) == (RUN, role, meta["run_nonce"])
         assert creds.signing_public_key == meta["signing_public_key"]
+        assert creds.controller_signing_public_key == meta["controller_signing_public_key"]
         assert (creds.directory / "user.pub").read_text().strip() == meta["users"][role]
         assert meta["users"][role] in server_config(bundle)
         assert (creds.directory / "user.nk").read_text().strip() not in server_config(bundle)  # public keys only
@@ -66,14 +70,18 @@ def test_certificates_name_the_server_and_the_roles(bundle: Path) -> None:
     assert list(usage) == [ExtendedKeyUsageOID.CLIENT_AUTH]
 
 
-def test_the_signer_matches_every_roles_verifier(bundle: Path) -> None:
-    signer = load_role(bundle, "trainer").signer()
-    fields = {"version": 1, "digest": "00" * 16, "size": 1, "chunks": 1, "published_at": 1.0}
-    signature = signer.sign(fields)
-    for role in ROLES:
-        load_role(bundle, role).verifier().verify(fields, signature)
-    with pytest.raises(CredentialsError, match="only the trainer"):
-        load_role(bundle, "rollout").signer()
+def test_each_signer_matches_every_roles_verifier(bundle: Path) -> None:
+    subject, payload = f"{RUN}.events.weights", b"\x82\xa4kind\xa1x"
+    for signer in ("trainer", "controller"):
+        headers = load_role(bundle, signer).signer().headers(subject, payload)
+        for role in ROLES:
+            verifier = load_role(bundle, role).verifier()
+            verifier.verify(subject, payload, headers, signer)
+            with pytest.raises(SignatureError):  # the other signer's key does not verify it
+                verifier.verify(subject, payload, headers, "controller" if signer == "trainer" else "trainer")
+    for role in ("rollout", "monitor", "setup"):
+        with pytest.raises(CredentialsError, match="signs nothing"):
+            load_role(bundle, role).signer()
 
 
 def test_loading_the_wrong_directory_is_one_clear_error(bundle: Path, tmp_path: Path) -> None:

@@ -50,15 +50,17 @@ class Published:
     digest: str  # xxh3-128 of the payload ("" for sglang, which moves tensors, not a payload)
     state_digest: str
     location: str = ""
+    payload_sha256: str = ""
 
     def announcement_fields(self) -> dict[str, Any]:
-        """The ``WeightsAnnounced`` fields that exist today (version, digest, size, chunks, state_digest)."""
+        """The ``WeightsAnnounced`` fields about the payload (version, digests, size, chunks)."""
         return {
             "version": self.version,
             "digest": self.digest,
             "size": self.size,
             "chunks": self.chunks,
             "state_digest": self.state_digest,
+            "payload_sha256": self.payload_sha256,
         }
 
     def transport_fields(self) -> dict[str, Any]:

@@ -169,6 +169,7 @@ class BroadcastTransport:
             chunks=-(-summary.size // self.bucket_bytes),
             digest=summary.digest,
             state_digest=summary.state_digest,
+            payload_sha256=summary.payload_sha256,
             location=self.group.name,
         )
 

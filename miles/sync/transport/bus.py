@@ -45,6 +45,7 @@ class BusTransport:
             chunks=info.chunks,
             digest=info.digest,
             state_digest=summary.state_digest,
+            payload_sha256=summary.payload_sha256,
         )
 
     async def fetch(self, version: int, digest: str, *, location: str = "") -> memoryview:

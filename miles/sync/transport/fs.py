@@ -105,6 +105,7 @@ class FsTransport:
             chunks=1,
             digest=summary.digest,
             state_digest=summary.state_digest,
+            payload_sha256=summary.payload_sha256,
             location=str(self.path(layout.version)),
         )
 

@@ -1,10 +1,11 @@
 """Reading a stream subject in order without creating a consumer (what a bind-only identity can do).
 
-The announcement follower, the controller's version tracker and the monitor read with nats-py
-ordered consumers today. Creating one is a ``$JS.API.CONSUMER.CREATE`` call, and whoever may make it
-may also point the consumer's ``deliver_subject`` anywhere, so the server would publish on the
-creator's behalf past its permissions (:mod:`miles.security.permissions`). This module gives the
-same stream of messages with two read-only tools instead:
+The announcement follower, the controller's version tracker, the monitor and a restarted trainer read
+streams in order. A nats-py ordered consumer would do that, but creating one is a
+``$JS.API.CONSUMER.CREATE`` call, and whoever may make it may also point the consumer's
+``deliver_subject`` anywhere, so the server would publish on the creator's behalf past its permissions
+(:mod:`miles.security.permissions`). This module gives the same stream of messages with two read-only
+tools instead:
 
 * ``$JS.API.DIRECT.GET.<stream>`` with ``next_by_subj``, asked from the last sequence seen, returns
   every stored message in order (and the last one by subject for a start at the newest);
@@ -13,8 +14,8 @@ same stream of messages with two read-only tools instead:
   costs at most ``poll_s``: the reader looks again on a timer. Nothing read from the core
   subscription is trusted or used, so it cannot inject anything the stream does not hold.
 
-The stream must allow direct get (``allow_direct=True``). This belongs in ``miles.bus`` once the
-actors use it; it lives here with the permission table it makes possible.
+The stream must allow direct get (``allow_direct=True``). Every actor reads announcements, metrics and
+its own history this way, with or without per-role credentials: one code path.
 """
 
 from __future__ import annotations

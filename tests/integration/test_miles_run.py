@@ -1,0 +1,59 @@
+"""``miles run`` as a user runs it: one command, an embedded and secured NATS, every actor a process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from miles.config import dump_config
+from tests.integration.harness import small_run_config
+
+
+def _miles_run(
+    recipe: Path, run_dir: Path, *sets: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "miles.cli", "run", str(recipe), "--run-dir", str(run_dir), "--quiet"]
+    for item in sets:
+        cmd += ["--set", item]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def recipe(tmp_path: Path, model_cache: Path) -> Path:
+    path = tmp_path / "recipe.yaml"
+    cfg = small_run_config(model_cache, "mrun", **{"trainer.steps": 5, "eval.every": 0, "monitor.plots": False})
+    path.write_text(dump_config(cfg))
+    return path
+
+
+@pytest.mark.slow
+def test_the_default_run_is_secured_and_completes_without_a_refusal(recipe: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = _miles_run(recipe, run_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "bus tls://127.0.0.1:" in proc.stderr  # the embedded server speaks TLS
+    assert (run_dir / "auth" / "bundle.json").is_file()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "complete" and summary["steps"] == 5
+    # Every actor logged in with its own identity and every signed message verified: nothing refused.
+    assert summary["dead_lettered"] == 0 and summary["refused"] == {} and summary["alarms"] == []
+    assert summary["weights_verified"] > 0 and summary["weights_mismatches"] == 0
+    server_log = (run_dir / "nats" / "nats-server.log").read_text()
+    assert "Violation" not in server_log  # no role tried anything its permissions do not allow
+
+
+@pytest.mark.slow
+def test_a_run_that_ends_early_exits_non_zero_with_the_reason(recipe: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    # The trainer dies before its third step (SIGKILL, like the OOM killer); nobody restarts it.
+    proc = _miles_run(recipe, run_dir, "bus.secure=false", env={"MILES_FAILPOINTS": "between_steps:3"})
+    assert proc.returncode != 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "incomplete"
+    assert "trainer" in summary["reason"]
+    assert not (run_dir / "auth").exists()  # bus.secure: false is an open bus, no credentials made
