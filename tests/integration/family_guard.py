@@ -44,9 +44,9 @@ from .harness import Cluster, check_accounting, check_held_weights
 
 # Mean |logp difference| allowed per step in the on-policy mode, per family. Five measured at or below
 # 2.2e-7 at every step (docs/models.md); 1e-6 leaves room for reduction-order noise and none for a wrong weight.
-# GLM-5.2 measures 2.6e-4 at step 0 (1.4e-7 to 1.6e-7 after), reproducibly, and its cause is not found yet:
-# on the same twin, sequential and batched cached decoding match a full forward to 1e-6, and two packed
-# sequences match each scored alone to 1.3e-7. Its gate is 1e-3 until the cause is found (docs/models.md).
+# GLM-5.2 measures 2.6e-4 at step 0 (1.4e-7 to 1.6e-7 after), reproducibly. Not the trainer's packing (two
+# packed sequences match each scored alone to 1.3e-7); the suspect is the torch engine's continuous batching
+# with the DSA indexer when a row stops early (docs/models.md). Its gate is 1e-3 until that is fixed.
 THRESHOLDS: dict[str, float] = {
     "deepseek_v32": 1e-6,
     "gemma4": 1e-6,
