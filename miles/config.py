@@ -557,12 +557,30 @@ class SyncConfig(Strict):
 class BusConfig(BusSecurityFields):
     """How actors reach NATS and who they are on it (per-role identities: docs/security.md)."""
 
-    nats_url: str | None = Field(None, description="Join this NATS server/cluster; None starts an embedded one.")
+    nats_url: str | None = Field(
+        None,
+        description="Join this NATS server or cluster; several URLs comma-separated (a cluster's nodes: the client "
+        "moves to another when one goes away). None starts an embedded one.",
+    )
     creds: str | None = Field(None, description="NATS credentials file.")
     tls_ca: str | None = Field(None, description="CA bundle for TLS.")
     tls_cert: str | None = Field(None, description="Client certificate for mutual TLS.")
     tls_key: str | None = Field(None, description="Client key for mutual TLS.")
     replicas: int = Field(1, ge=1, le=5, description="JetStream stream replicas (3 on a cluster).")
+    outage_budget_s: float = Field(
+        120.0,
+        gt=0,
+        description="How long an actor rides out an unusable bus (a server restart, a lost cluster node, a leader "
+        "election, a cut leaf link): JetStream requests are retried with backoff for this long, then the actor "
+        "exits with one line saying what it waited for (docs/deploy.md, 'Outages').",
+    )
+    js_domain: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="Address JetStream in this domain ($JS.<domain>.API): a client of a server with a JetStream of "
+        "its own that uses the run's streams in another domain. None: the server's (a leaf node without JetStream "
+        "maps its clients to the hub's domain itself, docs/deploy.md).",
+    )
     ack_wait_s: float = Field(30.0, gt=0, description="Redelivery delay of an unacked prompt or trajectory.")
     heartbeat_s: float = Field(1.0, gt=0, description="Actor heartbeat period.")
     max_payload_mb: int = Field(8, ge=1, description="max_payload of the embedded server (weight chunk size follows).")

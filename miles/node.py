@@ -132,8 +132,11 @@ def _main(argv: list[str] | None) -> int:
             runner = asyncio.run
         try:
             return runner(_run_actor(cfg, args, actor_id, run_dir, worker))
-        except BusError as exc:
-            print(f"miles-node: error: {exc}", file=sys.stderr)
+        except Exception as exc:  # an actor's tasks fail as an exception group: find the bus error in it
+            bus_error = _bus_error(exc, BusError)
+            if bus_error is None:
+                raise
+            print(f"miles-node: error: {bus_error}", file=sys.stderr)
             return 1
     finally:
         if worker is not None:
@@ -158,6 +161,17 @@ async def _run_actor(
     finally:
         await bus.close()
     return 0
+
+
+def _bus_error(exc: BaseException, kind: type[Exception]) -> Exception | None:
+    """``exc`` itself if it is a ``kind`` (a :class:`BusError`), else the first one inside its exception group."""
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := _bus_error(inner, kind)) is not None:
+                return found
+    return None
 
 
 def _setup(cfg: RunConfig, nats_url: str) -> int:

@@ -21,6 +21,7 @@ import structlog
 from nats.aio.client import Client
 
 from miles.bus.errors import BusError
+from miles.bus.retry import Outage
 
 log = structlog.get_logger(__name__)
 
@@ -57,6 +58,7 @@ async def connect(
     connect_timeout_s: float = 5.0,
     connect_attempts: int = 3,
     extra_options: dict[str, Any] | None = None,
+    outage: Outage | None = None,
 ) -> Client:
     """Connect to ``url`` (comma-separated URLs for a cluster) as client ``name``.
 
@@ -85,8 +87,12 @@ async def connect(
     async def disconnected_cb() -> None:
         if connected and not nc.is_closed:  # close() reports a disconnect too; that one is expected
             log.warning("nats_disconnected", client=name)
+            if outage is not None:
+                outage.disconnected()
 
     async def reconnected_cb() -> None:
+        if outage is not None:
+            outage.reconnected()
         log.info("nats_reconnected", client=name, url=str(nc.connected_url.geturl()) if nc.connected_url else None)
 
     async def closed_cb() -> None:

@@ -271,15 +271,13 @@ def _controller(n: RunNames, inbox: str, compat: bool) -> Permissions:
         n.evalq,
         s.control,
         s.eval,
+        s.issued,
         f"$KV.{s.state_bucket}.>",
         f"$KV.{n.runinfo_bucket}.>",
         s.heartbeat("controller", "*"),
         n.dead_letters("controller"),
-        # every durable on EVENTS and METRICS is the controller's (discards, held weights, eval results,
-        # metrics); the work queues and trajectories are not
-        *_pull(s.events_stream, "*"),
-        *_pull(s.metrics_stream, "*"),
-        *_direct(s.events_stream),
+        # its own state, rebuilt at every start by reading EVENTS and METRICS in order (direct gets)
+        *_direct(s.events_stream, s.metrics_stream),
         *_direct_last(s.events_stream),
         # an announced version is believed only if the data plane holds it: its manifest, by leader read
         *_msg_get(n.weights_stream, n.delta_stream),
