@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, Tag, ValidationError, model_validator
+from pydantic import BaseModel, Field, Tag, ValidationError, field_validator, model_validator
 
+from miles.bus.urls import split_urls
 from miles.config_base import Strict, variant
 from miles.models.families.config import FamilyModelConfig
 from miles.sandbox.config import SandboxConfig
@@ -560,7 +561,8 @@ class BusConfig(BusSecurityFields):
     nats_url: str | None = Field(
         None,
         description="Join this NATS server or cluster; several URLs comma-separated (a cluster's nodes: the client "
-        "moves to another when one goes away). None starts an embedded one.",
+        "moves to another when one goes away). Used when no --nats-url (or $NATS_URL) is given; None: `miles run` "
+        "starts an embedded server.",
     )
     creds: str | None = Field(None, description="NATS credentials file.")
     tls_ca: str | None = Field(None, description="CA bundle for TLS.")
@@ -591,6 +593,13 @@ class BusConfig(BusSecurityFields):
         "trainer and the controller sign what the others must believe (docs/security.md). false: an open loopback "
         "server, no identities, no signatures. Ignored when bus.nats_url or bus.credentials_dir is set.",
     )
+
+    @field_validator("nats_url")
+    @classmethod
+    def _check_urls(cls, value: str | None) -> str | None:
+        if value is not None:
+            split_urls(value)  # a ValueError naming the bad entry becomes the field's error
+        return value
 
 
 class MonitorConfig(Strict):

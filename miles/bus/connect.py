@@ -22,6 +22,7 @@ from nats.aio.client import Client
 
 from miles.bus.errors import BusError
 from miles.bus.retry import Outage
+from miles.bus.urls import split_urls
 
 log = structlog.get_logger(__name__)
 
@@ -70,9 +71,10 @@ async def connect(
     if creds and not Path(creds).is_file():
         raise BusError(f"bus.creds file not found: {creds}")
     tls = make_ssl_context(tls_ca, tls_cert, tls_key)
-    servers = [u.strip() for u in url.split(",") if u.strip()]
-    if not servers:
-        raise BusError("empty NATS url")
+    try:
+        servers = split_urls(url)
+    except ValueError as exc:
+        raise BusError(str(exc)) from None
     connected = False
     first_errors: list[Exception] = []
 
