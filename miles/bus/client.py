@@ -31,7 +31,7 @@ from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundErro
 from nats.js.errors import NotFoundError as JsNotFoundError
 from nats.js.kv import KeyValue
 
-from miles.bus.connect import connect
+from miles.bus.connect import close_client, connect
 from miles.bus.errors import BusError
 from miles.bus.retry import Outage, ack_or_redeliver, resilient_jetstream
 from miles.bus.schema import Message, SchemaError, decode, decode_any, encode
@@ -158,8 +158,7 @@ class Bus:
         )
 
     async def close(self) -> None:
-        if not self.nc.is_closed:
-            await self.nc.drain()
+        await close_client(self.nc)
 
     # ------------------------------------------------------------------ publishing
 

@@ -136,4 +136,20 @@ async def connect(
     return nc
 
 
-__all__ = ["BusError", "connect", "make_ssl_context"]
+async def close_client(nc: Client) -> None:
+    """Close ``nc``: drained (what is buffered is sent first) when connected; when the server is away (an actor
+    giving up past its outage budget) closed at once, dropping the buffer. nats-py's ``drain`` refuses a
+    reconnecting client and its ``close`` raises writing that buffer to the dead socket, either of which would
+    hide the error that ends the actor; a JetStream publish in that buffer was never acked, so nothing that
+    was confirmed is lost."""
+    if nc.is_closed:
+        return
+    if nc.is_connected:
+        await nc.drain()
+        return
+    log.info("nats_closing_while_disconnected", dropped_bytes=nc._pending_data_size)
+    nc._pending, nc._pending_data_size = [], 0  # nats-py keeps no public way to drop its reconnect buffer
+    await nc.close()
+
+
+__all__ = ["BusError", "close_client", "connect", "make_ssl_context"]

@@ -51,7 +51,7 @@ from nats.errors import (
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
-from nats.js.errors import APIError, NoStreamResponseError
+from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
 from miles.bus.errors import BusUnavailable, TransientBusError
 
@@ -94,7 +94,9 @@ def is_transient(exc: BaseException) -> bool:
     ):
         return True
     if isinstance(exc, APIError):
-        if exc.code in (408, 503, 504) or (exc.code or 0) >= 500:
+        # nats-py raises a pull fetch's 503 (a consumer whose leader moved) as a bare ServiceUnavailableError,
+        # with no code on it.
+        if isinstance(exc, ServiceUnavailableError) or exc.code in (408, 503, 504) or (exc.code or 0) >= 500:
             return True
         if exc.err_code in _TRANSIENT_ERR_CODES:
             return True

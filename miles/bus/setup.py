@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import structlog
 
-from miles.bus.connect import connect
+from miles.bus.connect import close_client, connect
 from miles.bus.errors import BusError
 from miles.bus.retry import Outage, resilient_jetstream
 from miles.bus.streams import ensure_run_streams
@@ -47,5 +47,5 @@ async def setup_run(cfg: BusConfig, url: str, run: str) -> None:
         js = resilient_jetstream(nc, outage, domain=cfg.js_domain)  # a fresh cluster may still elect leaders
         await ensure_run_streams(js, Subjects(run), replicas=cfg.replicas, ack_wait_s=cfg.ack_wait_s)
     finally:
-        await nc.close()
+        await close_client(nc)  # past the outage budget too, without hiding why
     log.info("run_set_up", run=run, url=url, identity="setup" if extra else "anonymous")
