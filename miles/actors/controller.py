@@ -60,6 +60,7 @@ from miles.bus.schema import (
     WeightsHeld,
     decode_any,
 )
+from miles.failpoints import failpoint
 from miles.security.signing import SignatureError
 
 __all__ = ["AdmissionState", "Controller", "admission_limit"]
@@ -347,6 +348,7 @@ class Controller(Actor):
             )
             # The group id as message id: a copy sent again (a restart) is stored once.
             acks.append(await self.bus.publish(self.bus.subjects.prompts, group, msg_id=group.group_id))
+            failpoint("issue")  # part of a batch is out (tests kill the controller mid-burst here)
         return acks
 
     # ------------------------------------------------------------------ versions
