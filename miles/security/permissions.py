@@ -298,7 +298,18 @@ def _controller(n: RunNames, inbox: str, compat: bool) -> Permissions:
     return Permissions(
         publish_allow=_unique(publish),
         publish_deny=(f"$KV.{s.state_bucket}.trainer_version",),
-        subscribe_allow=(s.control, s.heartbeat("*", "*"), s.weights, inbox),
+        # core subscriptions that wake its in-order readers of EVENTS and METRICS (what it reads is the
+        # direct get; a message is believed only from the stream)
+        subscribe_allow=(
+            s.control,
+            s.heartbeat("*", "*"),
+            s.weights,
+            s.metrics_all,
+            s.discarded,
+            s.weights_held,
+            s.eval_results,
+            inbox,
+        ),
     )
 
 
