@@ -63,6 +63,10 @@ DEFAULT_OUTAGE_BUDGET_S = 120.0
 FIRST_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 2.0
 MSG_ID_HEADER = "Nats-Msg-Id"
+# A request attempt that has not ended this long after its own timeout is abandoned and counts as timed out.
+# nats-py bounds only the wait for the reply: a publish of the request can block in its flusher across
+# quick successive reconnects, and one such attempt must not stall its caller past every outage budget.
+STUCK_ATTEMPT_MARGIN_S = 5.0
 
 # JetStream error codes that mean "not now" rather than "never" (nats-server's errors.json): the JetStream
 # system or a stream's group has no leader yet, a stream or consumer is offline while its peers catch up.
@@ -205,7 +209,10 @@ class ResilientPullSubscription:
 
     async def fetch(self, batch: int = 1, timeout: float | None = 5) -> list[Msg]:
         try:
-            msgs = await self._inner.fetch(batch, timeout=timeout)
+            # bounded like a request attempt (STUCK_ATTEMPT_MARGIN_S): a stuck fetch reads as "nothing yet"
+            msgs = await asyncio.wait_for(
+                self._inner.fetch(batch, timeout=timeout), (timeout or 5) + STUCK_ATTEMPT_MARGIN_S
+            )
         except asyncio.TimeoutError:
             # An idle consumer and a dead server look the same here: the connection's state tells them apart.
             if self._outage.down_for() > self._outage.budget_s:
@@ -244,6 +251,11 @@ class ResilientJetStream(JetStreamContext):
         super().__init__(nc, **opts)
         self.outage = outage
 
+    def _bounded(self, op: Callable[[], Awaitable[T]], timeout: float | None) -> Callable[[], Awaitable[T]]:
+        """``op`` as an attempt that ends (``asyncio.TimeoutError``: retried) at most a margin after ``timeout``."""
+        limit = (timeout or self._timeout) + STUCK_ATTEMPT_MARGIN_S
+        return lambda: asyncio.wait_for(op(), limit)
+
     async def publish(  # type: ignore[override]
         self,
         subject: str,
@@ -258,7 +270,10 @@ class ResilientJetStream(JetStreamContext):
         hdrs.setdefault(MSG_ID_HEADER, self._nc._nuid.next().decode())
         parent = super().publish
         return await retrying(
-            lambda: parent(subject, payload, timeout=timeout, stream=stream, headers=dict(hdrs), msg_ttl=msg_ttl),
+            self._bounded(
+                lambda: parent(subject, payload, timeout=timeout, stream=stream, headers=dict(hdrs), msg_ttl=msg_ttl),
+                timeout,
+            ),
             what=f"a JetStream publish on {subject}",
             outage=self.outage,
         )
@@ -266,13 +281,17 @@ class ResilientJetStream(JetStreamContext):
     async def _api_request(self, req_subject: str, req: bytes = b"", timeout: float = 5) -> dict[str, Any]:
         parent = super()._api_request
         return await retrying(
-            lambda: parent(req_subject, req, timeout=timeout), what=f"JetStream ({req_subject})", outage=self.outage
+            self._bounded(lambda: parent(req_subject, req, timeout=timeout), timeout),
+            what=f"JetStream ({req_subject})",
+            outage=self.outage,
         )
 
     async def get_msg(self, stream_name: str, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         parent = super().get_msg
         return await retrying(
-            lambda: parent(stream_name, *args, **kwargs), what=f"a read of stream {stream_name}", outage=self.outage
+            self._bounded(lambda: parent(stream_name, *args, **kwargs), None),
+            what=f"a read of stream {stream_name}",
+            outage=self.outage,
         )
 
     async def pull_subscribe_bind(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]

@@ -4,9 +4,12 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from nats.aio.client import Client
 from nats.errors import NoRespondersError
+from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
+from miles.bus import retry
 from miles.bus.cluster import free_port
 from miles.bus.connect import close_client, connect
 from miles.bus.errors import BusUnavailable
@@ -111,3 +114,26 @@ async def test_a_server_that_stays_away_ends_the_call_past_the_budget(tmp_path: 
     finally:
         await close_client(nc)
         server.stop_sync()
+
+
+async def test_an_attempt_stuck_past_its_timeout_is_abandoned_and_sent_again(
+    nc: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nats-py bounds only the wait for a reply; a request stuck before it (its publish blocked in the client's
+    flusher across reconnects) must not hold its caller forever."""
+    js = resilient_jetstream(nc, Outage(budget_s=10.0), timeout=0.2)
+    await js.add_stream(name="S", subjects=["s.>"], allow_direct=True)
+    await js.publish("s.a", b"x")
+    real_get = JetStreamContext.get_msg
+    stuck = asyncio.Event()
+
+    async def first_call_hangs(self: JetStreamContext, *args: object, **kwargs: object) -> object:
+        if not stuck.is_set():
+            stuck.set()
+            await asyncio.Event().wait()  # never answers, never times out
+        return await real_get(self, *args, **kwargs)
+
+    monkeypatch.setattr(retry, "STUCK_ATTEMPT_MARGIN_S", 0.2)
+    monkeypatch.setattr(JetStreamContext, "get_msg", first_call_hangs)
+    msg = await js.get_msg("S", seq=1, direct=True)
+    assert stuck.is_set() and msg.data == b"x" and js.outage.retries == 1
