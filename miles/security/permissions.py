@@ -288,7 +288,9 @@ def _controller(n: RunNames, inbox: str, compat: bool) -> Permissions:
     ]
     if compat:
         publish += _ordered_consumer(s.events_stream)
-        # pull_subscribe(durable=..., config=...) looks the durable up, then creates it by name and filter
+        # a controller of before the rebuild-from-the-streams change reads EVENTS and METRICS through durables
+        # of its own, which pull_subscribe(durable=..., config=...) looks up, then creates by name and filter
+        publish += [*_pull(s.events_stream, "*"), *_pull(s.metrics_stream, "*")]
         for st in (s.events_stream, s.metrics_stream):
             publish += [
                 f"{API}.CONSUMER.INFO.{st}.*",
