@@ -326,7 +326,7 @@ class TrainerLeader(Actor):
         await self.bus.publish(self.bus.subjects.step, report, msg_id=f"step-v{version}")
         self._discarded_failures = dict.fromkeys(self._discarded_failures, 0.0)
         for m in msgs:
-            await m.ack_sync()
+            await self.bus.ack(m)  # unconfirmed through an outage: redelivered later, and skipped as trained
         for t in trajs:
             self.resolved.add(t.issue_index)
         await self.ranks.run(self.ranks.worker.poll_checkpoint)
