@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from miles.bus.errors import BusError
+from miles.bus.urls import split_urls
 from miles.config import ConfigError, RunConfig, add_override_option, dump_config, load_config
 
 
@@ -26,7 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("recipe", help="YAML recipe, e.g. recipes/quickstart.yaml.")
     run.add_argument("--run-dir", help="Run directory (default: runs/<name>).")
     add_override_option(run)
-    run.add_argument("--nats-url", help="Use this NATS server instead of starting an embedded one.")
+    run.add_argument(
+        "--nats-url",
+        help="Use this NATS server (or a cluster's nodes, comma-separated) instead of starting an embedded one "
+        "(default: bus.nats_url).",
+    )
     run.add_argument("--quiet", action="store_true", help="No progress output, only the summary.")
 
     prep = sub.add_parser(
@@ -46,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     top = sub.add_parser("top", help="Live view of a running run (same as miles-node --role monitor).")
     top.add_argument("--config", "-c", help="The run's recipe (for its name and bounds).")
     add_override_option(top)
-    top.add_argument("--nats-url", required=True)
+    top.add_argument("--nats-url", help="The run's NATS server(s), comma-separated (default: bus.nats_url).")
     top.add_argument("--json", action="store_true", help="Print JSON snapshots instead of the live view.")
     top.add_argument("--once", action="store_true", help="Print one snapshot and exit.")
     top.add_argument(
@@ -78,9 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                 extra += ["--prometheus-port", str(args.prometheus_port)]
             conf = ["--config", args.config] if args.config else []
             sets = [x for o in args.overrides for x in ("--set", o)]
-            return node_main(
-                ["--role", "monitor", "--nats-url", args.nats_url, "--run-dir", "runs/monitor", *conf, *sets, *extra]
-            )
+            url = ["--nats-url", args.nats_url] if args.nats_url else []  # else miles-node takes bus.nats_url
+            return node_main(["--role", "monitor", *url, "--run-dir", "runs/monitor", *conf, *sets, *extra])
     except ConfigError as exc:
         print(f"miles: error: {exc}", file=sys.stderr)
         return 2
@@ -114,7 +118,14 @@ def _run(args: argparse.Namespace) -> int:
         return status
     from miles.launch import run_local
 
-    return asyncio.run(run_local(cfg, run_dir, args.nats_url, quiet=args.quiet))
+    nats_url = args.nats_url or cfg.bus.nats_url
+    if nats_url:
+        try:
+            split_urls(nats_url)
+        except ValueError as exc:
+            print(f"miles: error: --nats-url: {exc}", file=sys.stderr)
+            return 2
+    return asyncio.run(run_local(cfg, run_dir, nats_url, quiet=args.quiet))
 
 
 async def _serve_bus(run_dir: Path, max_payload_mb: int) -> int:

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, Tag, ValidationError, model_validator
+from pydantic import BaseModel, Field, Tag, ValidationError, field_validator, model_validator
 
 from miles.algo.config import AlgoConfig  # the RL objective's sections live next to their code
+from miles.bus.urls import split_urls
 from miles.config_base import Strict, variant
 from miles.models.families.config import FamilyModelConfig
 from miles.sandbox.config import SandboxConfig
@@ -424,12 +425,31 @@ class SyncConfig(Strict):
 class BusConfig(BusSecurityFields):
     """How actors reach NATS and who they are on it (per-role identities: docs/security.md)."""
 
-    nats_url: str | None = Field(None, description="Join this NATS server/cluster; None starts an embedded one.")
+    nats_url: str | None = Field(
+        None,
+        description="Join this NATS server or cluster; several URLs comma-separated (a cluster's nodes: the client "
+        "moves to another when one goes away). Used when no --nats-url (or $NATS_URL) is given; None: `miles run` "
+        "starts an embedded server.",
+    )
     creds: str | None = Field(None, description="NATS credentials file.")
     tls_ca: str | None = Field(None, description="CA bundle for TLS.")
     tls_cert: str | None = Field(None, description="Client certificate for mutual TLS.")
     tls_key: str | None = Field(None, description="Client key for mutual TLS.")
     replicas: int = Field(1, ge=1, le=5, description="JetStream stream replicas (3 on a cluster).")
+    outage_budget_s: float = Field(
+        120.0,
+        gt=0,
+        description="How long an actor rides out an unusable bus (a server restart, a lost cluster node, a leader "
+        "election, a cut leaf link): JetStream requests are retried with backoff for this long, then the actor "
+        "exits with one line saying what it waited for (docs/deploy.md, 'Outages').",
+    )
+    js_domain: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="Address JetStream in this domain ($JS.<domain>.API): a client of a server with a JetStream of "
+        "its own that uses the run's streams in another domain. None: the server's (a leaf node without JetStream "
+        "maps its clients to the hub's domain itself, docs/deploy.md).",
+    )
     ack_wait_s: float = Field(30.0, gt=0, description="Redelivery delay of an unacked prompt or trajectory.")
     heartbeat_s: float = Field(1.0, gt=0, description="Actor heartbeat period.")
     max_payload_mb: int = Field(8, ge=1, description="max_payload of the embedded server (weight chunk size follows).")
@@ -440,6 +460,13 @@ class BusConfig(BusSecurityFields):
         "trainer and the controller sign what the others must believe (docs/security.md). false: an open loopback "
         "server, no identities, no signatures. Ignored when bus.nats_url or bus.credentials_dir is set.",
     )
+
+    @field_validator("nats_url")
+    @classmethod
+    def _check_urls(cls, value: str | None) -> str | None:
+        if value is not None:
+            split_urls(value)  # a ValueError naming the bad entry becomes the field's error
+        return value
 
 
 class MonitorConfig(Strict):

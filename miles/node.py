@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from miles.bus.urls import split_urls
 from miles.config import ConfigError, RunConfig, add_override_option, load_config
 
 if TYPE_CHECKING:  # keep `miles-node --help` free of torch and nats imports
@@ -41,7 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", "-c", help="YAML recipe (defaults if omitted).")
     add_override_option(p)
     p.add_argument("--run-dir", default="runs/default", help="Run directory (logs, checkpoints, metrics).")
-    p.add_argument("--nats-url", default=os.environ.get("NATS_URL"), help="NATS server to join (or $NATS_URL).")
+    p.add_argument(
+        "--nats-url",
+        default=os.environ.get("NATS_URL"),
+        help="NATS server to join, or a cluster's nodes comma-separated (default: $NATS_URL, then bus.nats_url).",
+    )
     p.add_argument("--actor-id", help="Unique id of this actor (default: role-hostname-pid).")
     p.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)), help="Trainer rank.")
     p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)), help="Trainer ranks.")
@@ -87,11 +92,18 @@ def _main(argv: list[str] | None) -> int:
     except ConfigError as exc:
         print(f"miles-node: error: {exc}", file=sys.stderr)
         return 2
+    args.nats_url = args.nats_url or cfg.bus.nats_url
     if not args.nats_url:
         print(
-            "miles-node: error: --nats-url (or $NATS_URL) is required; `miles run` starts an embedded server",
+            "miles-node: error: --nats-url (or $NATS_URL, or bus.nats_url) is required; `miles run` starts an "
+            "embedded server",
             file=sys.stderr,
         )
+        return 2
+    try:
+        split_urls(args.nats_url)
+    except ValueError as exc:
+        print(f"miles-node: error: --nats-url: {exc}", file=sys.stderr)
         return 2
     actor_id = args.actor_id or f"{args.role}-{socket.gethostname()}-{os.getpid()}"
     if args.role == "trainer" and args.world_size > 1:
@@ -129,8 +141,11 @@ def _main(argv: list[str] | None) -> int:
             runner = asyncio.run
         try:
             return runner(_run_actor(cfg, args, actor_id, run_dir, worker, scoring))
-        except BusError as exc:
-            print(f"miles-node: error: {exc}", file=sys.stderr)
+        except Exception as exc:  # an actor's tasks fail as an exception group: find the bus error in it
+            bus_error = _bus_error(exc, BusError)
+            if bus_error is None:
+                raise
+            print(f"miles-node: error: {bus_error}", file=sys.stderr)
             return 1
     finally:
         if worker is not None:
@@ -160,6 +175,17 @@ async def _run_actor(
     finally:
         await bus.close()
     return 0
+
+
+def _bus_error(exc: BaseException, kind: type[Exception]) -> Exception | None:
+    """``exc`` itself if it is a ``kind`` (a :class:`BusError`), else the first one inside its exception group."""
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := _bus_error(inner, kind)) is not None:
+                return found
+    return None
 
 
 def _setup(cfg: RunConfig, nats_url: str) -> int:

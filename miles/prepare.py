@@ -61,12 +61,15 @@ def prepare(cfg: RunConfig) -> Path:
 
 
 def prepare_model(cfg: RunConfig, task: Any = None) -> Path:
-    """The model directory of ``cfg.model``: a pretrained path checked, or the tiny model built (cached)."""
-    from miles.models.loading import pretrained_dir
+    """The model directory of ``cfg.model``: a pretrained path checked, the tiny model or a family's tiny twin
+    built (cached)."""
+    from miles.models.loading import family_dir, pretrained_dir
     from miles.models.tiny import ensure_tiny_model, tiny_model_dir
     from miles.tasks.fingerprint import task_fingerprint
     from miles.tasks.registry import build_task
 
+    if cfg.model.type == "family":
+        return family_dir(cfg.model, build=True)  # a tiny twin is built (cached), a full-size path checked
     if cfg.model.type != "tiny":
         return pretrained_dir(cfg.model)
     task = task if task is not None else build_task(cfg.task, sandbox=cfg.rollout.sandbox)

@@ -8,8 +8,15 @@ steps old; the trainer re-checks on consumption because arrival order is not iss
 unique ids (a trainer restart supersedes versions with new numbers), so the bound counts steps, which every
 announcement carries, not version numbers.
 
-The controller's own state (issued count, dataset cursor, re-issue queue) lives in the run's KV bucket
-and its inputs come from durable consumers, so a restarted controller carries on.
+State rebuilt from the bus. Everything the controller knows is a fold over two streams, which it replays
+in order at every start before it goes on live (:meth:`Controller._rebuild`): EVENTS (announcements, the
+trainer's discards, workers' held-weight reports, evaluation shard results) and METRICS (step reports, its
+own evaluation results and issue records). A batch of prompts is published only after its issue record
+(:class:`~miles.bus.schema.GroupsIssued`) is stored, so a controller killed mid-batch finds the batch on
+restart and publishes it again with the same contents: each prompt's message id is its group id, and the
+prompt stream drops a copy it already holds. The run directory's files are rewritten by the same fold
+(:mod:`miles.actors.run_record`), so they are equal after any number of controller restarts to those of an
+uninterrupted run.
 
 It also audits weight sync (:mod:`miles.actors.weight_audit`) and owns held-out evaluation
 (:mod:`miles.actors.evaluations`): the first version is evaluated before any prompt is issued, so
@@ -21,62 +28,62 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import random
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from nats.aio.msg import Msg
+from nats.js.api import RawStreamMsg
 
 from miles.actors import trust
+from miles.actors.admission import AdmissionState, SampleOrder, admission_limit, plan_batch
 from miles.actors.base import Actor
 from miles.actors.evaluations import EvalCoordinator
 from miles.actors.run_record import RunRecord
 from miles.actors.weight_audit import WeightAudit
 from miles.algo.filters import over_issue_groups
-from miles.bus.client import KEY_GROUPS_ISSUED, KEY_STATUS, Bus, messages_until
+from miles.bus.client import KEY_GROUPS_ISSUED, KEY_STATUS, messages_until
 from miles.bus.dataplane import WeightStore
 from miles.bus.errors import PayloadMissing
-from miles.bus.follow import follow
+from miles.bus.follow import follow, stored_messages
 from miles.bus.schema import (
     Control,
     EvalResult,
     EvalShardResult,
     GroupsDiscarded,
+    GroupsIssued,
     Heartbeat,
-    Message,
     PromptGroup,
+    SchemaError,
     StepMetrics,
     TrainerDone,
     WeightsAnnounced,
     WeightsHeld,
+    decode_any,
 )
-from miles.tasks.base import Sample
-from miles.training.lineage import IndexSet
+from miles.failpoints import failpoint
+from miles.security.signing import SignatureError
 
-KEY_CONTROLLER = "controller_state"
-KEEP_VERSIONS = 256  # version -> step entries remembered (lags of workers a few versions behind)
+__all__ = ["AdmissionState", "Controller", "admission_limit"]
+
+KEY_CONTROLLER_SEEN = "controller_seen"  # JSON {"events": seq, "metrics": seq}: how far the live readers got
+KEEP_VERSIONS = 256  # version -> step entries remembered live (lags of workers a few versions behind)
 VERSION_WAIT_S = 10.0  # how long a step report or trainer_done may overtake its announcement
 WORKER_TIMEOUT_S = 60.0  # a rollout worker unheard of for this long is no longer live
 
-
-@dataclass(slots=True)
-class AdmissionState:
-    """What the controller must remember across restarts (stored as JSON in the KV bucket)."""
-
-    issued: int = 0  # groups ever issued, re-issues included
-    discarded: int = 0  # groups the trainer rejected (they free their credit)
-    cursor: int = 0  # position in the endless shuffled stream of train samples
-    reissue: list[str] = field(default_factory=list)  # sample ids waiting to be issued again
-    attempts: dict[str, int] = field(default_factory=dict)  # sample id -> re-issues so far (bounded by reissue)
-    resolved: dict[str, Any] = field(default_factory=lambda: IndexSet().to_json())  # issue indices trained or discarded
+Handler = Callable[[RawStreamMsg, bool], Awaitable[None]]
 
 
-def admission_limit(step: int, max_staleness: int, groups_per_step: int, steps: int) -> int:
-    """Groups that may be outstanding-or-trained with the trainer at ``step``: ``(eta + s + 1) * B``, capped."""
-    return min((max_staleness + step + 1) * groups_per_step, steps * groups_per_step)
+class _Anyone:
+    """Every worker counts as live when a held-weight report is replayed (it was checked when it arrived)."""
+
+    def __contains__(self, _: object) -> bool:
+        return True
+
+
+def stored_at(raw: RawStreamMsg) -> float | None:
+    """When the server stored ``raw`` (unix seconds), None if the server did not say."""
+    return raw.time.timestamp() if raw.time is not None else None
 
 
 class Controller(Actor):
@@ -91,16 +98,26 @@ class Controller(Actor):
         self._version_changed = asyncio.Condition()
         self.workers: dict[str, Heartbeat] = {}  # live rollout workers' latest heartbeats
         self.peers: dict[str, Heartbeat] = {}  # every other actor's latest heartbeat (their refusal counts)
-        self.resolved = IndexSet()
         self._wake = asyncio.Event()
         self._admit_open = asyncio.Event()  # set once the initial evaluation is in (or on a resumed run)
         self.record = RunRecord(
             self.run_dir, run_name=self.cfg.name, wandb=self.cfg.monitor.wandb, config=self.cfg.model_dump(mode="json")
         )
-        self._epoch_order: tuple[int, list[str]] = (-1, [])
         self.audit = WeightAudit(logger=self.log)
         # mode -> {versions, bytes, max} of the announced payloads (running totals: bounded for any run length)
         self.sync_bytes: dict[str, dict[str, int]] = {}
+        self.last_batch: GroupsIssued | None = None  # the newest issue record (republished after a restart)
+        self._due_evals: list[int] = []  # versions whose evaluation was due while the controller was away
+        self._trainer_done: TrainerDone | None = None  # seen in the replay: the end is still to be written
+        self.restarts = 0  # earlier lives of this controller (issue records found at start)
+        self.republished = {"prompts": 0, "deduplicated": 0}
+        self._finishing = False
+        self._seen: dict[str, int] = {}  # stream positions an earlier life had handled (state bucket)
+        self._positions: dict[str, int] = {}  # ... and this life
+
+    @property
+    def resolved(self) -> Any:
+        return self.state.resolved
 
     def heartbeat(self) -> Heartbeat:
         stats = {
@@ -120,7 +137,7 @@ class Controller(Actor):
         cfg = self.cfg
         task = build_task(cfg.task, sandbox=cfg.rollout.sandbox)
         self.samples = {s.id: s for s in task.samples("train")}
-        self.order = list(self.samples)
+        self.order = SampleOrder(self.samples, cfg.seed)
         held_out = task.samples("eval")[: cfg.eval.max_samples]
         self.evals = EvalCoordinator(
             self.bus,
@@ -128,29 +145,34 @@ class Controller(Actor):
             every=cfg.eval.every,
             shard_size=cfg.eval.shard_size,
             max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.sampling.max_new_tokens,
+            announced=lambda version: version in self.version_steps,
         )
         self.run_instance = await self.bus.claim_run_instance()
         await self._publish_run_info()
         # The data plane, read-only: an announced version is believed only if its payload is there.
         self.weights = await WeightStore.create(self.bus.js, self.bus.subjects.run, ensure=False)
         self.weights_delta = self.weights.sibling("delta")
-        raw = await self.bus.get_str(KEY_CONTROLLER)
-        if raw:
-            self.state = AdmissionState(**json.loads(raw))
-            self.resolved = IndexSet.from_json(self.state.resolved)
-            self._admit_open.set()  # the initial evaluation happened before the first issue
-            self.log.info("controller_resumed", issued=self.state.issued, cursor=self.state.cursor)
+        self._seen = json.loads(await self.bus.get_str(KEY_CONTROLLER_SEEN) or "{}")
+        positions = await self._rebuild()
+        self._positions = dict(positions)
         await self.bus.put_str(KEY_STATUS, "running")
-        done = asyncio.Event()
+        done = self._done_event = asyncio.Event()
+        s = self.bus.subjects
         async with asyncio.TaskGroup() as tg:
             self._tasks = tg  # one-off tasks (the initial evaluation, the end of the run) are supervised here too
             tg.create_task(self._follow_versions(done), name="controller.versions")
             tg.create_task(self._follow_heartbeats(done), name="controller.heartbeats")
-            tg.create_task(self._follow_discards(done), name="controller.discards")
-            tg.create_task(self._follow_metrics(done), name="controller.metrics")
-            tg.create_task(self._follow_weights_held(done), name="controller.weights_held")
-            tg.create_task(self._follow_eval_results(done), name="controller.eval_results")
+            live = (
+                (s.metrics_stream, s.metrics_all, positions["metrics"], self._on_metrics),
+                (s.events_stream, s.discarded, positions["events"], self._on_discard),
+                (s.events_stream, s.weights_held, positions["events"], self._on_held),
+                (s.events_stream, s.eval_results, positions["events"], self._on_eval_shard),
+            )
+            for stream, subject, after, handle in live:
+                tg.create_task(self._follow(stream, subject, after, done, handle), name=f"controller.{subject}")
             tg.create_task(self._admit(done), name="controller.admission")
+            tg.create_task(self._keep_positions(done), name="controller.positions")
+            self._resume(done)
             stop_waiter = tg.create_task(self.stopping.wait(), name="controller.stop")
             await asyncio.wait([stop_waiter, tg.create_task(done.wait())], return_when=asyncio.FIRST_COMPLETED)
             done.set()
@@ -172,21 +194,132 @@ class Controller(Actor):
             )
         self.log.info("run_info", run_instance=info.run_nonce[:8], task=info.task.type, files=len(info.files))
 
-    # ------------------------------------------------------------------ admission
+    # ------------------------------------------------------------------ rebuilding from the streams
 
-    def _next_sample(self) -> tuple[Sample, int]:
-        """The next prompt (re-issues first) and its attempt number."""
-        if self.state.reissue:
-            sample_id = self.state.reissue.pop(0)
-            attempt = self.state.attempts.pop(sample_id, 1)
-            return self.samples[sample_id], attempt
-        epoch, index = divmod(self.state.cursor, len(self.order))
-        self.state.cursor += 1
-        if self._epoch_order[0] != epoch:  # one deterministic shuffle per pass over the data
-            order = list(self.order)
-            random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
-            self._epoch_order = (epoch, order)
-        return self.samples[self._epoch_order[1][index]], 0
+    async def _rebuild(self) -> dict[str, int]:
+        """Replay EVENTS and METRICS from their start: the admission state, the version registry, the audit,
+        the evaluations and the record files. Returns the stream positions live reading goes on after."""
+        js, s = self.bus.js, self.bus.subjects
+        started = time.perf_counter()
+        self.record.begin_rebuild()
+        # 1. every announcement's step (the step reports and evaluations below refer to them)
+        async for raw in stored_messages(js, s.events_stream, s.weights):
+            ann = await self._accepted(raw, replaying=True)
+            if isinstance(ann, WeightsAnnounced) and ann.version > self.trainer_version:
+                if trust.announcement_refusal(
+                    ann, newest=self.trainer_version, max_steps=self.cfg.trainer.steps, stored=True
+                ):
+                    continue  # refused when it arrived
+                self._adopt_step(ann)
+                if not ann.replayed and ann.step > 0 and self.evals.due(ann.step, self.cfg.trainer.steps):
+                    self._due_evals.append(ann.version)
+        # 2. issue records, step reports, evaluation results, trainer_done
+        metrics_seq = 0
+        async for raw in stored_messages(js, s.metrics_stream, s.metrics_all):
+            metrics_seq = raw.seq or metrics_seq
+            await self._on_metrics(raw, True)
+        # 3. in stream order: announcements (for the audit), discards, held weights, evaluation shards
+        events_seq = 0
+        async for raw in stored_messages(js, s.events_stream, f"{s.run}.events.>"):
+            events_seq = raw.seq or events_seq
+            if raw.subject == s.weights:
+                ann = decode_any(raw.data) if raw.data else None  # checked in step 1 (counted there)
+                if isinstance(ann, WeightsAnnounced) and ann.version in self.version_steps:
+                    self._adopt_totals(ann)
+            elif raw.subject == s.discarded:
+                await self._on_discard(raw, True)
+            elif raw.subject == s.weights_held:
+                await self._on_held(raw, True)
+            elif raw.subject == s.eval_results:
+                await self._on_eval_shard(raw, True)
+        while len(self.version_steps) > KEEP_VERSIONS:
+            self.version_steps.popitem(last=False)
+        self.record.end_rebuild()
+        if self.last_batch is not None:
+            self.restarts = 1
+            self.log.info(
+                "controller_rebuilt",
+                issued=self.state.issued,
+                discarded=self.state.discarded,
+                trained=self.record.groups_trained,
+                steps=len(self.record.steps_seen),
+                evals=len(self.record.evals),
+                seconds=round(time.perf_counter() - started, 3),
+            )
+        return {"metrics": metrics_seq, "events": events_seq}
+
+    def _resume(self, done: asyncio.Event) -> None:
+        """After the replay: open admission on a run that issued before, re-send the newest batch, ask for the
+        evaluations that fell due meanwhile, and finish a run whose trainer is done."""
+        if self.last_batch is not None:
+            self._admit_open.set()  # the initial evaluation happened before the first issue
+            self._tasks.create_task(self._republish(self.last_batch), name="controller.republish")
+        elif self.trainer_version >= 0:  # announced, nothing issued yet: the initial evaluation comes first
+            self._tasks.create_task(self._initial_eval(self.trainer_version, done), name="controller.initial_eval")
+        for version in self._due_evals:
+            if not self.evals.completed(version):
+                self._tasks.create_task(self.evals.request(version), name=f"controller.eval_v{version}")
+        if self._trainer_done is not None:
+            self._tasks.create_task(self._finish(self._trainer_done, done), name="controller.finish")
+
+    async def _republish(self, batch: GroupsIssued) -> None:
+        """Publish the newest batch again (a restart may have cut it off): the stream keeps one copy of each."""
+        await self._raise_window(batch.end_index)
+        for ack in await self._publish_batch(batch):
+            self.republished["prompts"] += 1
+            self.republished["deduplicated"] += int(bool(ack.duplicate))
+        self.log.info("batch_republished", first=batch.first_index, groups=len(batch.sample_ids), **self.republished)
+
+    async def _follow(self, stream: str, subject: str, after: int, done: asyncio.Event, handle: Handler) -> None:
+        key = "metrics" if stream == self.bus.subjects.metrics_stream else "events"
+        async for raw in follow(self.bus.nc, self.bus.js, stream, subject, done, after_seq=after, poll_s=0.5):
+            await handle(raw, False)
+            self._positions[key] = max(self._positions.get(key, 0), raw.seq or 0)
+
+    def _seen_before(self, raw: RawStreamMsg, replaying: bool) -> bool:
+        """Whether an earlier life of this controller handled ``raw`` already (its positions in the state
+        bucket): a refusal of it was dead-lettered then, and is only counted again now."""
+        if not replaying:
+            return False
+        stream = "metrics" if raw.subject.startswith(f"{self.bus.subjects.run}.metrics.") else "events"
+        return (raw.seq or 0) <= self._seen.get(stream, 0)
+
+    async def _accepted(self, raw: RawStreamMsg, *, replaying: bool) -> Any:
+        """The message in ``raw``, decoded and verified, or None if refused. The refusal of a message an earlier
+        life refused already is counted again (the summary's refusal counts survive a restart), not
+        dead-lettered twice."""
+        if not self._seen_before(raw, replaying):
+            return await self.bus.accept_any(raw)
+        try:
+            message = decode_any(raw.data)
+            self.bus.check_signature(raw, message.KIND)
+        except (SchemaError, SignatureError) as exc:
+            self.bus.refused["malformed" if isinstance(exc, SchemaError) else "unsigned"] += 1
+            self.bus.dead_lettered += 1
+            return None
+        return message
+
+    async def _refuse(self, raw: RawStreamMsg, reason: str, *, replaying: bool) -> None:
+        if self._seen_before(raw, replaying):
+            self.bus.refused["untrusted"] += 1
+            self.bus.dead_lettered += 1
+        else:
+            await self.bus.refuse(raw, reason, category="untrusted")
+
+    async def _keep_positions(self, done: asyncio.Event) -> None:
+        """Write how far the live readers got into the state bucket (every second while it moves, and at the end),
+        so a restarted controller knows which refusals it has dead-lettered already."""
+        written: dict[str, int] = {}
+        while True:
+            if self._positions != written:
+                written = dict(self._positions)
+                await self.bus.put_str(KEY_CONTROLLER_SEEN, json.dumps(written))
+            if done.is_set():
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(done.wait(), timeout=1.0)
+
+    # ------------------------------------------------------------------ admission
 
     async def _admit(self, done: asyncio.Event) -> None:
         trainer = self.cfg.trainer
@@ -198,39 +331,44 @@ class Controller(Actor):
             limit = admission_limit(
                 self.trainer_step, self.cfg.staleness.max_staleness, trainer.groups_per_step, trainer.steps
             ) + over_issue_groups(trainer.algo, trainer.groups_per_step)  # replacements for filtered groups
-            issued_any = False
-            window = self.state.issued + max(0, limit - (self.state.issued - self.state.discarded))
-            if window > self.state.issued and self.trainer_version >= 0:
+            room = limit - (self.state.issued - self.state.discarded)
+            if room > 0 and self.trainer_version >= 0:
+                batch = plan_batch(self.state, self.order, room, self.trainer_version)
+                # The issue record goes first: a restart finds the batch and publishes it again, same contents.
+                await self.bus.publish(self.bus.subjects.issued, batch, msg_id=f"issued-{batch.first_index}")
+                self.last_batch = batch
                 # Open the trainer's issue window before the prompts go out: their trajectories can be back
                 # before this batch ends, and one past the window is refused as never issued.
-                await self.bus.put_int(KEY_GROUPS_ISSUED, window)
-            while self.state.issued < window and not done.is_set() and self.trainer_version >= 0:
-                sample, attempt = self._next_sample()
-                group = PromptGroup(
-                    group_id=f"g{self.state.issued}",
-                    sample_id=sample.id,
-                    prompt=sample.prompt,
-                    answer=sample.answer,
-                    meta=sample.meta,
-                    group_size=self.cfg.rollout.group_size,
-                    issue_index=self.state.issued,
-                    issued_at_version=self.trainer_version,
-                    attempt=attempt,
-                )
-                await self.bus.publish(self.bus.subjects.prompts, group)
-                self.record.ledger("issued", group_id=group.group_id, sample_id=sample.id, version=self.trainer_version)
-                self.state.issued += 1
-                issued_any = True
-            if issued_any:
-                await self._save_state()
+                await self._raise_window(batch.end_index)
+                await self._publish_batch(batch)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=1.0)
 
-    # ------------------------------------------------------------------ inputs
+    async def _raise_window(self, issued: int) -> None:
+        if await self.bus.get_int(KEY_GROUPS_ISSUED, 0) < issued:
+            await self.bus.put_int(KEY_GROUPS_ISSUED, issued)
 
-    async def _save_state(self) -> None:
-        self.state.resolved = self.resolved.to_json()
-        await self.bus.put_str(KEY_CONTROLLER, json.dumps(asdict(self.state)))
+    async def _publish_batch(self, batch: GroupsIssued) -> list[Any]:
+        acks = []
+        for i, (sample_id, attempt) in enumerate(zip(batch.sample_ids, batch.attempts, strict=True)):
+            sample = self.samples[sample_id]
+            group = PromptGroup(
+                group_id=f"g{batch.first_index + i}",
+                sample_id=sample.id,
+                prompt=sample.prompt,
+                answer=sample.answer,
+                meta=sample.meta,
+                group_size=self.cfg.rollout.group_size,
+                issue_index=batch.first_index + i,
+                issued_at_version=batch.issued_at_version,
+                attempt=attempt,
+            )
+            # The group id as message id: a copy sent again (a restart) is stored once.
+            acks.append(await self.bus.publish(self.bus.subjects.prompts, group, msg_id=group.group_id))
+            failpoint("issue")  # part of a batch is out (tests kill the controller mid-burst here)
+        return acks
+
+    # ------------------------------------------------------------------ versions
 
     async def _follow_versions(self, done: asyncio.Event) -> None:
         """Take the trainer's version from its announcements, newest first, then every new one in order."""
@@ -258,17 +396,23 @@ class Controller(Actor):
             return None
         return info.digest, info.size
 
-    async def _adopt(self, ann: WeightsAnnounced, done: asyncio.Event) -> None:
+    def _adopt_step(self, ann: WeightsAnnounced) -> None:
+        self.version_steps[ann.version] = ann.step
+        self.trainer_version, self.trainer_step = ann.version, ann.step
+
+    def _adopt_totals(self, ann: WeightsAnnounced) -> None:
         self.audit.announce(ann)
         totals = self.sync_bytes.setdefault(ann.mode, {"versions": 0, "bytes": 0, "max": 0})
         totals["versions"] += 1
         totals["bytes"] += ann.size
         totals["max"] = max(totals["max"], ann.size)
-        self.version_steps[ann.version] = ann.step
+
+    async def _adopt(self, ann: WeightsAnnounced, done: asyncio.Event) -> None:
+        self._adopt_totals(ann)
+        first = self.trainer_version < 0
+        self._adopt_step(ann)
         while len(self.version_steps) > KEEP_VERSIONS:
             self.version_steps.popitem(last=False)
-        first = self.trainer_version < 0
-        self.trainer_version, self.trainer_step = ann.version, ann.step
         async with self._version_changed:
             self._version_changed.notify_all()
         self._wake.set()
@@ -299,6 +443,8 @@ class Controller(Actor):
         finally:
             self._admit_open.set()
 
+    # ------------------------------------------------------------------ inputs
+
     async def _follow_heartbeats(self, done: asyncio.Event) -> None:
         sub = await self.bus.nc.subscribe(self.bus.subjects.heartbeat("*", "*"))
         async for msg in messages_until(sub, done):
@@ -315,7 +461,7 @@ class Controller(Actor):
 
     async def _heard_from(self, worker_id: str) -> None:
         """Wait (a few heartbeat periods at most) for a worker's heartbeat: after a controller start, reports
-        kept by the durable consumer arrive before the workers' next heartbeats do."""
+        stored meanwhile arrive before the workers' next heartbeats do."""
         deadline = time.monotonic() + 3 * self.cfg.bus.heartbeat_s + 1.0
         while worker_id not in self.live_workers() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -324,62 +470,41 @@ class Controller(Actor):
         now = time.time()
         return {w for w, hb in self.workers.items() if now - hb.ts < WORKER_TIMEOUT_S}
 
-    async def _pull_loop(
-        self,
-        durable: str,
-        stream: str,
-        done: asyncio.Event,
-        handle: Callable[[Msg, Message], Awaitable[str | None]],
-    ) -> None:
-        """Every message of one of the controller's durables: accepted (decoded, verified), handled, acked;
-        a handler's refusal (its reason) is dead-lettered instead."""
-        messages = pull_messages(self.bus, stream, durable, done)
-        async with contextlib.aclosing(messages):
-            async for m in messages:
-                message = await self.bus.accept_any(m)  # acks what it refuses
-                if message is None:
-                    continue
-                refusal = await handle(m, message)
-                if refusal is not None:
-                    await self.bus.refuse(m, f"{message.KIND}: {refusal}", category="untrusted")
-                else:
-                    await m.ack()
+    async def _on_discard(self, raw: RawStreamMsg, replaying: bool) -> None:
+        message = await self._accepted(raw, replaying=replaying)
+        if message is None:
+            return
+        if not isinstance(message, GroupsDiscarded):
+            await self._refuse(raw, f"{message.KIND}: not a groups_discarded on {raw.subject}", replaying=replaying)
+            return
+        refusal = trust.discard_refusal(message, issued=self.state.issued, resolved=self.resolved)
+        if refusal is not None:
+            await self._refuse(raw, f"groups_discarded: {refusal}", replaying=replaying)
+            return
+        self.state.fold_discard(message, raw.seq or 0, known=self.samples)
+        t = stored_at(raw)
+        for gid, sid in zip(message.group_ids, message.sample_ids, strict=True):
+            self.record.ledger(
+                "filtered" if message.reason == "filtered" else "requeued" if message.requeue else "dropped",
+                t,
+                group_id=gid,
+                sample_id=sid,
+                trainer_version=message.trainer_version,
+                reason=message.reason,
+            )
+        self.record.count_discarded(len(message.group_ids), message.requeue, message.reason)
+        self._wake.set()
 
-    async def _follow_discards(self, done: asyncio.Event) -> None:
-        async def handle(m: Msg, message: Message) -> str | None:
-            if not isinstance(message, GroupsDiscarded):
-                return f"not a groups_discarded on {m.subject}"
-            refusal = trust.discard_refusal(message, issued=self.state.issued, resolved=self.resolved)
-            if refusal is not None:
-                return refusal
-            self.state.discarded += len(message.group_ids)
-            for gid, sid in zip(message.group_ids, message.sample_ids, strict=True):
-                self.resolved.add(int(gid[1:]))
-                self.record.ledger(
-                    "filtered" if message.reason == "filtered" else "requeued" if message.requeue else "dropped",
-                    group_id=gid,
-                    sample_id=sid,
-                    trainer_version=message.trainer_version,
-                    reason=message.reason,
-                )
-                if message.requeue and sid in self.samples:
-                    self.state.reissue.append(sid)
-                    self.state.attempts[sid] = self.state.attempts.get(sid, 0) + 1
-            self.record.count_discarded(len(message.group_ids), message.requeue, message.reason)
-            await self._save_state()
-            self._wake.set()
-            return None
-
-        s = self.bus.subjects
-        await self._pull_loop(s.CONTROLLER_EVENTS_CONSUMER, s.events_stream, done, handle)
-
-    async def _follow_metrics(self, done: asyncio.Event) -> None:
-        async def handle(m: Msg, message: Message) -> str | None:
-            if isinstance(message, StepMetrics):
+    async def _on_metrics(self, raw: RawStreamMsg, replaying: bool) -> None:
+        message = await self._accepted(raw, replaying=replaying)
+        if message is None:
+            return
+        refusal: str | None = None
+        if isinstance(message, StepMetrics):
+            if not replaying:
                 await self._announced(message.policy_version)
-                refusal = trust.step_refusal(message, version_steps=self.version_steps, recorded=self.record.steps_seen)
-                if refusal is not None:
-                    return refusal
+            refusal = trust.step_refusal(message, version_steps=self.version_steps, recorded=self.record.steps_seen)
+            if refusal is None:
                 lags = [
                     message.step - self.version_steps[hb.version]
                     for hb in self.workers.values()
@@ -387,50 +512,70 @@ class Controller(Actor):
                 ]
                 for gid in message.trained_group_ids:
                     self.resolved.add(int(gid[1:]))
-                self.record.step(message, worker_lag_mean=sum(lags) / len(lags) if lags else 0.0)
-            elif isinstance(message, TrainerDone):
+                self.record.step(message, stored_at(raw), worker_lag_mean=sum(lags) / len(lags) if lags else 0.0)
+        elif isinstance(message, TrainerDone):
+            if not replaying:
                 await self._announced(message.policy_version)
-                refusal = trust.done_refusal(message, version_steps=self.version_steps, steps=self.cfg.trainer.steps)
-                if refusal is not None:
-                    return refusal
-                self._tasks.create_task(self._finish(message, done), name="controller.finish")
-            elif not isinstance(message, EvalResult):  # evaluations are recorded where they are computed
-                return f"not a metrics message on {m.subject}"
-            return None
+            refusal = trust.done_refusal(message, version_steps=self.version_steps, steps=self.cfg.trainer.steps)
+            if refusal is None and replaying:
+                self._trainer_done = message  # finished once the replay is over (_resume)
+            elif refusal is None:
+                self._tasks.create_task(self._finish(message, self._done_event), name="controller.finish")
+        elif isinstance(message, EvalResult):
+            self.evals.mark_completed(message)
+            self.record.eval(message, step=self.version_steps.get(message.requested_version, 0), t=stored_at(raw))
+        elif isinstance(message, GroupsIssued):
+            refusal = self._issue_refusal(message, replaying)
+            if refusal is None:
+                self.record.issued(message, stored_at(raw))
+                if replaying:
+                    self.state.restore(message)
+                    self.last_batch = message
+        else:
+            refusal = f"not a metrics message on {raw.subject}"
+        if refusal is not None:
+            await self._refuse(raw, f"{message.KIND}: {refusal}", replaying=replaying)
 
-        s = self.bus.subjects
-        await self._pull_loop(s.CONTROLLER_METRICS_CONSUMER, s.metrics_stream, done, handle)
+    def _issue_refusal(self, record: GroupsIssued, replaying: bool) -> str | None:
+        """An issue record that does not continue the ones before it, or names a sample the task lacks."""
+        if record.first_index != self.record.groups_issued:
+            return f"issue record from g{record.first_index}, the record has {self.record.groups_issued} groups"
+        unknown = [sid for sid in record.sample_ids if sid not in self.samples]
+        if unknown:
+            return f"sample {unknown[0]!r} is not in the task"
+        if not replaying and record.end_index > self.state.issued:
+            return f"issue record up to g{record.end_index - 1}, this controller issued {self.state.issued}"
+        return None
 
-    async def _follow_eval_results(self, done: asyncio.Event) -> None:
-        async def handle(m: Msg, message: Message) -> str | None:
-            if not isinstance(message, EvalShardResult):
-                return f"not an eval_shard_result on {m.subject}"
-            refusal = self.evals.refusal(message)
-            if refusal is not None:
-                return refusal
-            result = await self.evals.on_result(message)
-            if result is not None:
-                self.record.eval(result, step=self.version_steps.get(result.requested_version, 0))
-            return None
+    async def _on_eval_shard(self, raw: RawStreamMsg, replaying: bool) -> None:
+        message = await self._accepted(raw, replaying=replaying)
+        if message is None:
+            return
+        if not isinstance(message, EvalShardResult):
+            await self._refuse(raw, f"{message.KIND}: not an eval_shard_result on {raw.subject}", replaying=replaying)
+            return
+        refusal = self.evals.refusal(message)
+        if refusal is not None:
+            await self._refuse(raw, f"eval_shard_result: {refusal}", replaying=replaying)
+            return
+        await self.evals.on_result(message)  # the last shard publishes the EvalResult, recorded from METRICS
 
-        s = self.bus.subjects
-        await self._pull_loop(s.CONTROLLER_EVAL_CONSUMER, s.events_stream, done, handle)
-
-    async def _follow_weights_held(self, done: asyncio.Event) -> None:
-        """Feed every live worker's ``weights_held`` report to the audit (durable: none is missed while we run)."""
-
-        async def handle(m: Msg, message: Message) -> str | None:
-            if not isinstance(message, WeightsHeld):
-                return f"not a weights_held on {m.subject}"
+    async def _on_held(self, raw: RawStreamMsg, replaying: bool) -> None:
+        """Feed a worker's ``weights_held`` report to the audit."""
+        message = await self._accepted(raw, replaying=replaying)
+        if message is None:
+            return
+        if not isinstance(message, WeightsHeld):
+            await self._refuse(raw, f"{message.KIND}: not a weights_held on {raw.subject}", replaying=replaying)
+            return
+        if not replaying:
             await self._heard_from(message.worker_id)
-            refusal = trust.held_refusal(message, workers=self.live_workers(), newest=self.trainer_version)
-            if refusal is not None:
-                return refusal
-            self.audit.report(message)
-            return None
-
-        s = self.bus.subjects
-        await self._pull_loop(s.CONTROLLER_WEIGHTS_CONSUMER, s.events_stream, done, handle)
+        workers = _Anyone() if replaying else self.live_workers()
+        refusal = trust.held_refusal(message, workers=workers, newest=self.trainer_version)
+        if refusal is not None:
+            await self._refuse(raw, f"weights_held: {refusal}", replaying=replaying)
+            return
+        self.audit.report(message)
 
     # ------------------------------------------------------------------ the end
 
@@ -481,6 +626,9 @@ class Controller(Actor):
 
     async def _finish(self, trainer_done: TrainerDone, done: asyncio.Event) -> None:
         """Evaluate the final version, write the summary, stop every actor."""
+        if self._finishing:
+            return  # a second trainer_done (a trainer restarted after its last step)
+        self._finishing = True
         eval_id = await self.evals.request(trainer_done.policy_version)
         final = await self.evals.wait(eval_id, self.cfg.eval.final_timeout_s)
         if final is None:
@@ -497,6 +645,13 @@ class Controller(Actor):
             dlq_messages=await self.bus.dead_letter_stream_size(),
             groups_issued=self.state.issued,
             groups_outstanding=outstanding,
+            # a prompt sent again after a controller restart: stored once (deduplicated), or played again and
+            # skipped by the trainer as a duplicate (the trainer's count, from its heartbeat)
+            prompts_republished=self.republished["prompts"],
+            prompts_deduplicated=self.republished["deduplicated"],
+            trajectories_duplicate=sum(
+                int(hb.stats.get("duplicates", 0)) for hb in self.peers.values() if hb.role == "trainer"
+            ),
             workers={k: hb.version for k, hb in self.workers.items()},
             # Bytes each published version put on the bus, per sync mode (a delta run also has full anchors).
             sync_bytes={
@@ -512,20 +667,3 @@ class Controller(Actor):
         await self.bus.publish(self.bus.subjects.control, stop)
         self.log.info("run_complete", **{k: v for k, v in summary.items() if not isinstance(v, dict | list)})
         done.set()
-
-
-async def pull_messages(bus: Bus, stream: str, durable: str, done: asyncio.Event) -> AsyncIterator[Msg]:
-    """Every message of the durable pull consumer ``durable`` (made by the setup step) until ``done``; the
-    caller acks. Binding, not creating: a restarted controller resumes where it stopped."""
-    sub = await bus.js.pull_subscribe_bind(durable, stream=stream)
-    try:
-        while not done.is_set():
-            try:
-                msgs = await sub.fetch(64, timeout=0.5)
-            except asyncio.TimeoutError:
-                continue
-            for m in msgs:
-                yield m
-    finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()

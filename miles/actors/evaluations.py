@@ -7,12 +7,18 @@ shard, plays it greedily with its weights pinned at one version >= the requested
 publishes the :class:`~miles.bus.schema.EvalResult` and records it. The trainer builds no model for it and
 never waits for it. Shards and results carry the evaluation id (``v<version>``) and their shard index, so a
 re-sent shard (a controller restart, a redelivery) is recognised and counted once.
+
+After a controller restart the coordinator is rebuilt from the streams: completed evaluations from the
+EvalResults on METRICS (:meth:`EvalCoordinator.mark_completed`), shard results from EVENTS; a shard result of
+an evaluation this controller did not request itself is taken when its version was announced (the earlier
+life requested it), its shard sizes being a pure function of the held-out split and the shard size.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,13 +38,24 @@ class _Pending:
     results: dict[int, EvalShardResult] = field(default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     result: EvalResult | None = None
+    requested: bool = False  # shards published by this controller (not only restored from the streams)
 
 
 class EvalCoordinator:
     """Issues evaluation shards and folds their results into one :class:`EvalResult` per evaluation."""
 
-    def __init__(self, bus: Bus, samples: list[Sample], *, every: int, shard_size: int, max_new_tokens: int) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        samples: list[Sample],
+        *,
+        every: int,
+        shard_size: int,
+        max_new_tokens: int,
+        announced: Callable[[int], bool] = lambda _: False,
+    ) -> None:
         self.bus = bus
+        self.announced = announced  # whether a version was announced (an earlier life may have requested it)
         self.samples = samples
         self.every = every
         self.shard_size = shard_size
@@ -49,13 +66,35 @@ class EvalCoordinator:
         """Evaluate the version of ``step``: the first, every ``every`` steps, and the last."""
         return step == 0 or step == last_step or (self.every > 0 and step % self.every == 0)
 
+    def _chunks(self) -> list[list[Sample]]:
+        return [self.samples[i : i + self.shard_size] for i in range(0, len(self.samples), self.shard_size)]
+
+    def _restored(self, eval_id: str, version: int) -> _Pending:
+        """The pending evaluation of ``version``, made without publishing (known from the streams)."""
+        if eval_id not in self.pending:
+            self.pending[eval_id] = _Pending(version, [len(c) for c in self._chunks()])
+        return self.pending[eval_id]
+
+    def completed(self, version: int) -> bool:
+        pending = self.pending.get(f"v{version}")
+        return pending is not None and pending.done.is_set()
+
+    def mark_completed(self, result: EvalResult) -> None:
+        """An evaluation whose result is on the METRICS stream (published by this controller or an earlier life)."""
+        eval_id = result.eval_id or f"v{result.requested_version}"
+        pending = self._restored(eval_id, result.requested_version)
+        pending.result = pending.result or result
+        pending.done.set()
+
     async def request(self, version: int) -> str:
-        """Put the shards of an evaluation of ``version`` on the work queue (idempotent per version)."""
+        """Put the shards of an evaluation of ``version`` on the work queue (idempotent per version, and across
+        controller restarts by message id)."""
         eval_id = f"v{version}"
-        if eval_id in self.pending:
+        if eval_id in self.pending and (self.pending[eval_id].requested or self.pending[eval_id].done.is_set()):
             return eval_id
-        chunks = [self.samples[i : i + self.shard_size] for i in range(0, len(self.samples), self.shard_size)]
-        self.pending[eval_id] = _Pending(version, [len(c) for c in chunks])
+        chunks = self._chunks()
+        pending = self._restored(eval_id, version)
+        pending.requested = True
         for shard, chunk in enumerate(chunks):
             task = EvalTask(
                 eval_id=eval_id,
@@ -75,6 +114,8 @@ class EvalCoordinator:
         or counted already, another sample count than the shard's, a version older than requested, a sum
         that is not finite."""
         pending = self.pending.get(result.eval_id)
+        if pending is None and result.eval_id[1:].isdigit() and self.announced(int(result.eval_id[1:])):
+            pending = self._restored(result.eval_id, int(result.eval_id[1:]))  # requested by an earlier life
         if pending is None:
             return f"eval {result.eval_id!r} was never requested"
         if result.shard >= len(pending.sizes) or result.shard in pending.results:
@@ -93,8 +134,8 @@ class EvalCoordinator:
         its last shard is in."""
         pending = self.pending[result.eval_id]
         pending.results[result.shard] = result
-        if len(pending.results) < len(pending.sizes):
-            return None
+        if len(pending.results) < len(pending.sizes) or pending.done.is_set():
+            return None  # more shards to come, or completed already (its result is on METRICS)
         parts = list(pending.results.values())
         samples = sum(r.samples for r in parts)
         pending.result = EvalResult(

@@ -137,7 +137,7 @@ class RolloutWorker(Actor):
             max_new_tokens=sampling.max_new_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
-            stop_token_ids=stop_token_ids(tokenizer),
+            stop_token_ids=stop_token_ids(tokenizer, model_dir),
         )
         if params.stop_token_ids != run_info.sampling.stop_token_ids:
             raise RunInfoError(

@@ -1,8 +1,13 @@
 """The run directory's record: metrics.jsonl, evals.jsonl, the group ledger, and summary.json.
 
-Written by the controller only, from durable bus streams, so every line can be rebuilt by replaying the
-METRICS and EVENTS streams. Every file is valid JSON: a non-finite float (a skipped step's grad norm) is
-written as null, never as a bare NaN.
+Written by the controller only, as a fold over the durable METRICS and EVENTS streams: the controller
+replays both at every start (:meth:`RunRecord.begin_rebuild` empties the files first), so after any number
+of controller restarts the files hold each step, evaluation and group event once, exactly as an
+uninterrupted run writes them. Times come from the stream (when the server stored the message), not from
+when the controller read it, so a rebuilt line is the line first written. The one field that does not
+come from the streams, ``worker_lag_mean`` (from live heartbeats), is kept from the previous file when
+it is there. Every file is valid JSON: a non-finite float (a skipped step's grad norm) is written as
+null, never as a bare NaN.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from miles.bus.schema import EvalResult, StepMetrics
+from miles.bus.schema import EvalResult, GroupsIssued, StepMetrics
 
 # Step metrics that are not per-step means of their own but counts summed into summary.json.
 EPISODE_SUMS = ("infra_excluded", "reward_failed", "tool_calls", "parse_errors", "truncated", "sandbox_failures")
@@ -74,14 +79,45 @@ class RunRecord:
         self.episode_sums: dict[str, float] = {}
         self.steps_seen: set[int] = set()
         self.steps_replayed = 0
+        self.groups_issued = 0
         self.last_step: StepMetrics | None = None
+        self.rebuilding = False
+        self._previous_lines: dict[int, dict[str, Any]] = {}  # step -> its line in the file being rebuilt
         # TensorBoard event files (and W&B, offline unless configured) of the same scalars, to overlay runs.
         self.scalars = RunScalars(run_dir, run_name=run_name or run_dir.name, wandb=wandb, config=config)
 
-    def ledger(self, event: str, **fields: Any) -> None:
-        """One line per group event: issued, trained, dropped, requeued (the accounting trail)."""
+    def begin_rebuild(self) -> None:
+        """Start the fold over: empty metrics.jsonl, evals.jsonl and the ledger (the replay of the streams writes
+        them again), remembering the old step lines for what the streams do not hold. While rebuilding, the
+        TensorBoard scalars (written by the controller's earlier life) are not written again."""
+        self._previous_lines = {}
+        if self.metrics_path.exists():
+            for line in self.metrics_path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                    self._previous_lines[int(row["step"])] = row
+                except (ValueError, KeyError, TypeError):
+                    continue  # a torn last line of a killed controller: the stream has the step
+        for path in (self.metrics_path, self.evals_path, self.ledger_path):
+            path.write_text("")
+        self.rebuilding = True
+
+    def end_rebuild(self) -> None:
+        self.rebuilding = False
+        self._previous_lines = {}
+
+    def ledger(self, event: str, t: float | None = None, **fields: Any) -> None:
+        """One line per group event: issued, trained, dropped, requeued (the accounting trail). ``t``: when the
+        event's message was stored (default now)."""
         with open(self.ledger_path, "a") as f:
-            f.write(_dumps({"event": event, "t": round(time.time(), 3), **fields}) + "\n")
+            f.write(_dumps({"event": event, "t": round(time.time() if t is None else t, 3), **fields}) + "\n")
+
+    def issued(self, msg: GroupsIssued, t: float | None = None) -> None:
+        """The ledger lines of an issue record (one per group)."""
+        for i, sample_id in enumerate(msg.sample_ids):
+            group_id = f"g{msg.first_index + i}"
+            self.ledger("issued", t, group_id=group_id, sample_id=sample_id, version=msg.issued_at_version)
+        self.groups_issued = max(self.groups_issued, msg.end_index)
 
     def count_discarded(self, n: int, requeue: bool, reason: str = "stale") -> None:
         if requeue:
@@ -90,10 +126,14 @@ class RunRecord:
             self.dropped += n
         self.discard_reasons[reason] = self.discard_reasons.get(reason, 0) + n
 
-    def step(self, msg: StepMetrics, **extra: float) -> None:
-        if msg.step in self.steps_seen:  # a replayed step (trainer restart) or a redelivery (controller restart)
+    def step(self, msg: StepMetrics, t: float | None = None, **extra: float) -> None:
+        """A step's line and its ledger lines; ``t`` is when the report was stored (default now)."""
+        if msg.step in self.steps_seen:  # a replayed step (a trainer restart re-trained a lost step)
             self.steps_replayed += int(msg.replayed)
             return
+        t = time.time() if t is None else t
+        previous = self._previous_lines.get(msg.step, {})
+        extra = {k: previous.get(k, v) for k, v in extra.items()} if self.rebuilding else extra
         self.steps_seen.add(msg.step)
         self.last_step = msg
         self.staleness.extend(msg.staleness)
@@ -102,7 +142,7 @@ class RunRecord:
         for key in EPISODE_SUMS:
             self.episode_sums[key] = self.episode_sums.get(key, 0.0) + msg.metrics.get(key, 0.0)
         for gid, lag in zip(msg.trained_group_ids, msg.staleness, strict=True):
-            self.ledger("trained", group_id=gid, step=msg.step, staleness=lag)
+            self.ledger("trained", t, group_id=gid, step=msg.step, staleness=lag)
         line = {
             "step": msg.step,
             "policy_version": msg.policy_version,
@@ -113,16 +153,18 @@ class RunRecord:
             "step_s": msg.metrics.get("step_s"),
             **{k: v for k, v in msg.metrics.items() if k not in {"reward_mean", "tokens_per_s", "step_s"}},
             **extra,
-            "time": round(time.time() - self.started_at, 3),
+            "time": round(t - self.started_at, 3),
         }
         with open(self.metrics_path, "a") as f:
             f.write(_dumps(line) + "\n")
-        self.scalars.step(line, msg.step)
+        if not self.rebuilding:
+            self.scalars.step(line, msg.step)
 
-    def eval(self, msg: EvalResult, step: int) -> None:
+    def eval(self, msg: EvalResult, step: int, t: float | None = None) -> None:
         """An evaluation of the version trained for ``step`` rollout batches (0: the initial policy)."""
         if step in self.evals:
             return
+        t = time.time() if t is None else t
         self.evals[step] = msg.accuracy
         self.eval_lengths[step] = msg.tokens / msg.samples if msg.samples else 0.0
         self.eval_versions[msg.requested_version] = step
@@ -134,11 +176,12 @@ class RunRecord:
             "samples": msg.samples,
             "failed": msg.failed,
             "length_mean": self.eval_lengths[step],
-            "time": round(time.time() - self.started_at, 3),
+            "time": round(t - self.started_at, 3),
         }
         with open(self.evals_path, "a") as f:
             f.write(_dumps(line) + "\n")
-        self.scalars.eval(msg.accuracy, step)
+        if not self.rebuilding:
+            self.scalars.eval(msg.accuracy, step)
 
     def close(self) -> None:
         """Flush and close the TensorBoard / W&B writers."""

@@ -46,6 +46,7 @@ from miles.bus.schema import (
     decode,
 )
 from miles.failpoints import failpoint
+from miles.models.families.registry import family_of
 from miles.security.signing import SIGNATURE_HEADER, SIGNER_HEADER, SignatureError
 from miles.sync.publisher import Lineage, Published, WeightPublisher, announce, delta_keep_versions
 from miles.sync.stream_export import PayloadLayout
@@ -339,7 +340,7 @@ class TrainerLeader(Actor):
         await self.bus.publish(self.bus.subjects.step, report, msg_id=f"step-v{version}")
         self._discarded_failures = dict.fromkeys(self._discarded_failures, 0.0)
         for m in msgs:
-            await m.ack_sync()
+            await self.bus.ack(m)  # unconfirmed through an outage: redelivered later, and skipped as trained
         for t in trajs:
             self.resolved.add(t.issue_index)
         await self.ranks.run(self.ranks.worker.poll_checkpoint)
@@ -375,8 +376,9 @@ class TrainerLeader(Actor):
 
     async def _stream(self, version: int, lineage: Lineage) -> Published:
         precision = self.cfg.sync.dtype
+        family = family_of(self.cfg.model)  # its quantization rule picks what FP8/FP4 quantize
         layout = PayloadLayout.plan(
-            self.ranks.worker.backend.export_specs(), precision, version, sha256=self.cfg.bus.payload_sha256
+            self.ranks.worker.backend.export_specs(), precision, version, family, sha256=self.cfg.bus.payload_sha256
         )
         out = await self.transport.publish(layout, lambda: self.ranks.export_stream(False), run=self.ranks.run)
         announcement = WeightsAnnounced(
@@ -402,9 +404,11 @@ class TrainerLeader(Actor):
         sync = self.cfg.sync
         state = await self.ranks.call("export", sync.mode == "lora")
         if sync.mode != "lora" and is_quantized(sync.dtype):
-            return await asyncio.to_thread(to_rollout_state, state, sync.dtype)
+            return await asyncio.to_thread(to_rollout_state, state, sync.dtype, family_of(self.cfg.model))
         dtype = getattr(torch, "bfloat16" if is_quantized(sync.dtype) else sync.dtype)
-        return {name: t.to(dtype) for name, t in state.items()}
+        # A copy even where the dtype already matches (float32 sync): an unsharded export may yield the live
+        # parameters, and the publisher keeps this state as the base of the next delta across the next step.
+        return {name: t.to(dtype, copy=True) for name, t in state.items()}
 
     async def _make_transport(self, *, first_start: bool) -> WeightTransport:
         """The full-mode payload transport of ``sync.transport``. A weight-update group forms once, at the run's

@@ -31,8 +31,9 @@ from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundErro
 from nats.js.errors import NotFoundError as JsNotFoundError
 from nats.js.kv import KeyValue
 
-from miles.bus.connect import connect
+from miles.bus.connect import close_client, connect
 from miles.bus.errors import BusError
+from miles.bus.retry import Outage, ack_or_redeliver, resilient_jetstream
 from miles.bus.schema import Message, SchemaError, decode, decode_any, encode
 from miles.bus.streams import ensure_run_streams
 from miles.bus.subjects import Subjects
@@ -91,6 +92,7 @@ class Bus:
     require_signatures: bool = False
     creates_streams: bool = True  # False with credentials: the setup step created them, actors only bind
     run_nonce: str | None = None  # the credentials bundle's run instance
+    outage: Outage = field(default_factory=Outage)  # the retry layer's budget and clock (miles.bus.retry)
     dead_lettered: int = 0  # messages this actor refused
     refused: Counter[str] = field(default_factory=Counter)  # ... by category
     _run_instance: str | None = None
@@ -108,6 +110,7 @@ class Bus:
                 creds = resolve_credentials(cfg, role)
             except (CredentialsError, ValueError) as exc:  # one line: the actor cannot start
                 raise BusError(f"bus.credentials_dir: {exc}") from None
+        outage = Outage(budget_s=cfg.outage_budget_s)
         nc = await connect(
             url,
             name=f"{run}:{actor_id}",
@@ -116,8 +119,10 @@ class Bus:
             tls_cert=cfg.tls_cert,
             tls_key=cfg.tls_key,
             extra_options=creds.nats_options() if creds is not None else None,
+            outage=outage,
         )
-        js = nc.jetstream(timeout=10.0)
+        # Every JetStream call of the actor rides out a server restart or a leader election (miles.bus.retry).
+        js = resilient_jetstream(nc, outage, domain=cfg.js_domain)
         subjects = Subjects(run)
         if creds is None:
             await ensure_run_streams(js, subjects, replicas=cfg.replicas, ack_wait_s=cfg.ack_wait_s)
@@ -149,11 +154,11 @@ class Bus:
             require_signatures=creds is not None and cfg.require_signatures,
             creates_streams=creds is None,
             run_nonce=creds.run_nonce if creds is not None else None,
+            outage=outage,
         )
 
     async def close(self) -> None:
-        if not self.nc.is_closed:
-            await self.nc.drain()
+        await close_client(self.nc)
 
     # ------------------------------------------------------------------ publishing
 
@@ -171,6 +176,11 @@ class Bus:
         if msg_id is not None:
             headers["Nats-Msg-Id"] = msg_id
         return await self.js.publish(subject, data, headers=headers or None)
+
+    async def ack(self, msg: Msg) -> bool:
+        """Ack ``msg`` with the server's confirmation; one that cannot be confirmed through an outage is left
+        to redelivery (the consumer recognises what it handled) instead of failing the actor."""
+        return await ack_or_redeliver(msg, self.outage)
 
     async def emit(self, subject: str, msg: Message) -> None:
         """Fire-and-forget core-NATS publish (heartbeats, wake-ups)."""
@@ -243,10 +253,12 @@ class Bus:
             await received.ack()
 
     def refusal_stats(self) -> dict[str, float]:
-        """``dead_lettered`` and ``refused_<category>`` for the heartbeat."""
-        return {"dead_lettered": float(self.dead_lettered)} | {
-            f"refused_{category}": float(n) for category, n in sorted(self.refused.items())
-        }
+        """``dead_lettered`` and ``refused_<category>`` for the heartbeat (and the retry layer's counts)."""
+        return (
+            {"dead_lettered": float(self.dead_lettered)}
+            | {f"refused_{category}": float(n) for category, n in sorted(self.refused.items())}
+            | self.outage.stats()
+        )
 
     # ------------------------------------------------------------------ run instance
 

@@ -21,6 +21,8 @@ import structlog
 from nats.aio.client import Client
 
 from miles.bus.errors import BusError
+from miles.bus.retry import Outage
+from miles.bus.urls import split_urls
 
 log = structlog.get_logger(__name__)
 
@@ -57,6 +59,7 @@ async def connect(
     connect_timeout_s: float = 5.0,
     connect_attempts: int = 3,
     extra_options: dict[str, Any] | None = None,
+    outage: Outage | None = None,
 ) -> Client:
     """Connect to ``url`` (comma-separated URLs for a cluster) as client ``name``.
 
@@ -68,9 +71,10 @@ async def connect(
     if creds and not Path(creds).is_file():
         raise BusError(f"bus.creds file not found: {creds}")
     tls = make_ssl_context(tls_ca, tls_cert, tls_key)
-    servers = [u.strip() for u in url.split(",") if u.strip()]
-    if not servers:
-        raise BusError("empty NATS url")
+    try:
+        servers = split_urls(url)
+    except ValueError as exc:
+        raise BusError(str(exc)) from None
     connected = False
     first_errors: list[Exception] = []
 
@@ -85,8 +89,12 @@ async def connect(
     async def disconnected_cb() -> None:
         if connected and not nc.is_closed:  # close() reports a disconnect too; that one is expected
             log.warning("nats_disconnected", client=name)
+            if outage is not None:
+                outage.disconnected()
 
     async def reconnected_cb() -> None:
+        if outage is not None:
+            outage.reconnected()
         log.info("nats_reconnected", client=name, url=str(nc.connected_url.geturl()) if nc.connected_url else None)
 
     async def closed_cb() -> None:
@@ -128,4 +136,20 @@ async def connect(
     return nc
 
 
-__all__ = ["BusError", "connect", "make_ssl_context"]
+async def close_client(nc: Client) -> None:
+    """Close ``nc``: drained (what is buffered is sent first) when connected; when the server is away (an actor
+    giving up past its outage budget) closed at once, dropping the buffer. nats-py's ``drain`` refuses a
+    reconnecting client and its ``close`` raises writing that buffer to the dead socket, either of which would
+    hide the error that ends the actor; a JetStream publish in that buffer was never acked, so nothing that
+    was confirmed is lost."""
+    if nc.is_closed:
+        return
+    if nc.is_connected:
+        await nc.drain()
+        return
+    log.info("nats_closing_while_disconnected", dropped_bytes=nc._pending_data_size)
+    nc._pending, nc._pending_data_size = [], 0  # nats-py keeps no public way to drop its reconnect buffer
+    await nc.close()
+
+
+__all__ = ["BusError", "close_client", "connect", "make_ssl_context"]

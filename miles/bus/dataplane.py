@@ -38,8 +38,9 @@ import json
 import mmap
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import structlog
 from nats.errors import NoRespondersError
@@ -48,11 +49,13 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 
-from miles.bus.errors import BusError, ChecksumMismatch, PayloadMissing
+from miles.bus.errors import BusError, ChecksumMismatch, PayloadMissing, TransientBusError
 from miles.bus.rawfetch import ChunkMissing, ChunkRequest, Endpoint, endpoint_from_client, fetch_chunks
+from miles.bus.retry import retrying
 from miles.sync.checksum import ALGORITHM, digest, hasher
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 MiB = 1024 * 1024
 # Room under max_payload for the protocol line and the headers JetStream adds to a direct-get reply.
@@ -285,18 +288,30 @@ class WeightStore:
 
     async def _ensure_stream(self, replicas: int, storage: Storage) -> None:
         config = self.stream_config(replicas, storage)
-        try:
-            existing = (await self.js.stream_info(self.stream)).config
-        except NotFoundError:
+        existing = None
+        for _ in range(5):  # every actor of a fresh cluster may race to create it
             try:
-                await self.js.add_stream(config)
-                return
-            except BadRequestError:  # created concurrently by another actor
                 existing = (await self.js.stream_info(self.stream)).config
+                break
+            except NotFoundError:
+                try:
+                    await self.js.add_stream(config)
+                    return
+                except BadRequestError:  # created concurrently by another actor: look again
+                    continue
+        if existing is None:
+            raise BusError(f"stream {self.stream} neither exists nor can be created")
         if existing.storage != config.storage:
             # The storage type of a stream cannot change; whoever created it decided. Readers do not care.
             log.info("weights_stream_storage_kept", stream=self.stream, existing=str(existing.storage), wanted=storage)
             return
+        if (existing.subjects, existing.num_replicas, existing.allow_direct, existing.discard) == (
+            config.subjects,
+            config.num_replicas,
+            config.allow_direct,
+            config.discard,
+        ):
+            return  # as wanted: no update (a cluster would replicate a no-op config change)
         try:
             await self.js.update_stream(config)
         except BadRequestError as exc:
@@ -317,12 +332,27 @@ class WeightStore:
 
     async def put(self, version: int, payload: bytes | bytearray | memoryview) -> PayloadInfo:
         """Store ``payload`` as ``version`` (replacing a previous attempt at the same version), then
-        purge all but the newest ``keep_versions`` versions. Returns what to announce."""
+        purge all but the newest ``keep_versions`` versions. Returns what to announce.
+
+        A put cut off by an outage (a chunk's ack lost in a server restart) is started again from its first
+        chunk (the writer purges the partial version first) for as long as the retry layer's budget allows."""
         view = _as_bytes_view(payload)
-        async with self.writer(version, view.nbytes) as w:
-            await w.write(view)
-        assert w.info is not None
-        return w.info
+
+        async def attempt() -> PayloadInfo:
+            async with self.writer(version, view.nbytes) as w:
+                await w.write(view)
+            assert w.info is not None
+            return w.info
+
+        return await self.retried(attempt, what=f"weights v{version} into {self.stream}")
+
+    async def retried(self, attempt: Callable[[], Awaitable[T]], *, what: str) -> T:
+        """``attempt()``, started again after a transient failure when this store's JetStream context has an
+        outage budget (:class:`miles.bus.retry.ResilientJetStream`); once otherwise."""
+        outage = getattr(self.js, "outage", None)
+        if outage is None:
+            return await attempt()
+        return await retrying(attempt, what=what, outage=outage)
 
     def writer(self, version: int, size: int | None = None) -> PayloadWriter:
         """A streaming put: ``async with store.writer(version) as w: await w.write(piece)`` ... .
@@ -342,9 +372,10 @@ class WeightStore:
         try:
             ack = await asyncio.wait_for(fut, self.timeout_s)
         except TimeoutError:
-            raise BusError(f"weight chunk not acknowledged within {self.timeout_s:.0f}s") from None
+            raise TransientBusError(f"weight chunk not acknowledged within {self.timeout_s:.0f}s") from None
         except NoRespondersError:
-            raise BusError(f"no JetStream stream stores {self.prefix}.> (was {self.stream} deleted?)") from None
+            # the server restarting, or no stream (deleted): the retry layer's budget tells them apart
+            raise TransientBusError(f"no JetStream stream stores {self.prefix}.> (is {self.stream} there?)") from None
         return int(ack.seq)
 
     # ------------------------------------------------------------------ read

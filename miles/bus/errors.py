@@ -17,3 +17,11 @@ class PayloadMissing(BusError):
 
 class ChecksumMismatch(BusError):
     """A reassembled weight payload does not hash to the digest it was published with."""
+
+
+class TransientBusError(BusError):
+    """A failure that a retry can cure (a weight chunk whose ack was lost in a server restart)."""
+
+
+class BusUnavailable(BusError):
+    """The bus stayed unusable for longer than ``bus.outage_budget_s``; the message says what was waited for."""

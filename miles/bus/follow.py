@@ -66,11 +66,14 @@ async def follow(
     *,
     start: Start = "last",
     poll_s: float = 1.0,
+    after_seq: int | None = None,
 ) -> AsyncIterator[RawStreamMsg]:
     """Every message stored on ``subject`` in ``stream``, in stream order, until ``done`` is set.
 
     ``start="last"`` begins with the newest message on ``subject`` (which must then be a literal
-    subject, like the announcements); ``"first"`` with the oldest still stored.
+    subject, like the announcements); ``"first"`` with the oldest still stored; ``after_seq`` (which
+    overrides ``start``) with the first one after that stream sequence (a reader that has read
+    everything up to it, :func:`stored_messages`).
     """
     wake = asyncio.Event()
 
@@ -80,7 +83,9 @@ async def follow(
     sub = await nc.subscribe(subject, cb=on_publish)
     try:
         seq = 0
-        if start == "last":
+        if after_seq is not None:
+            seq = after_seq
+        elif start == "last":
             newest = await last_message(js, stream, subject)
             if newest is not None:
                 seq = newest.seq or 0
@@ -108,6 +113,17 @@ async def follow(
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
+
+
+async def stored_messages(
+    js: JetStreamContext, stream: str, subject: str, after_seq: int = 0
+) -> AsyncIterator[RawStreamMsg]:
+    """Every message on ``subject`` (wildcards allowed) stored in ``stream`` after ``after_seq``, in order, up to
+    the newest one there when the iteration reaches it (a replay; :func:`follow` ``after_seq=`` goes on live)."""
+    seq = after_seq
+    while (msg := await next_message(js, stream, subject, seq)) is not None:
+        seq = msg.seq or seq + 1
+        yield msg
 
 
 async def _first(*events: asyncio.Event) -> None:

@@ -271,7 +271,7 @@ def build_run_info(cfg: Any, model_dir: Path, *, run_nonce: str) -> tuple[RunInf
         run_nonce=run_nonce,
         created_at=time.time(),
         task=task_info(cfg.task),
-        sampling=sampling_info(cfg, stop_token_ids(tokenizer)),
+        sampling=sampling_info(cfg, stop_token_ids(tokenizer, model_dir)),
         episode=episode_info(cfg),
         group_size=cfg.rollout.group_size,
         sync=SyncInfo(mode=cfg.sync.mode, precision=cfg.sync.dtype, transport=cfg.sync.transport),

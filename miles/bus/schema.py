@@ -400,6 +400,39 @@ class EvalResult(Message):
         return self
 
 
+class GroupsIssued(Message):
+    """The controller's issue record: the prompt groups it is about to publish, and its admission state once they
+    are out. Subject ``<run>.metrics.issued``, published (durably) *before* the prompts, so the run's record and
+    a restarted controller's state are rebuilt from the streams: a restart publishes the last batch again with
+    the same contents (the prompt stream drops a copy it holds by message id, the group id) and never gives a
+    group id to another prompt."""
+
+    KIND: ClassVar[str] = "groups_issued"
+    first_index: Count = Field(description="Issue index of the first group (its id is 'g<first_index>').")
+    sample_ids: list[str] = Field(description="Per group, in issue order: the sample it plays.")
+    attempts: list[Count] = Field(description="Per group: 0 for a first issue, n for the n-th re-issue.")
+    issued_at_version: Version = Field(description="Trainer version the batch is issued at.")
+    cursor: Count = Field(description="Position in the shuffled train samples after this batch.")
+    reissue: list[str] = Field(default_factory=list, description="Sample ids still waiting to be issued again.")
+    reissue_attempts: dict[str, Count] = Field(default_factory=dict, description="Their re-issues so far.")
+    discards_seq: Count = Field(0, description="EVENTS sequence of the last discard folded into this state.")
+
+    @model_validator(mode="after")
+    def _check(self) -> GroupsIssued:
+        if len(self.sample_ids) != len(self.attempts) or not self.sample_ids:
+            raise ValueError(f"{len(self.sample_ids)} sample_ids but {len(self.attempts)} attempts (at least one)")
+        return self
+
+    @property
+    def group_ids(self) -> list[str]:
+        return [f"g{self.first_index + i}" for i in range(len(self.sample_ids))]
+
+    @property
+    def end_index(self) -> int:
+        """Groups issued once this batch is out."""
+        return self.first_index + len(self.sample_ids)
+
+
 class TrainerDone(Message):
     """The trainer finished all steps (after the final eval). Subject ``<run>.metrics.done``."""
 
@@ -462,6 +495,7 @@ KINDS: dict[str, type[Message]] = {
         Control,
         StepMetrics,
         EvalResult,
+        GroupsIssued,
         TrainerDone,
         TeacherScoreRequest,
         TeacherScoreReply,

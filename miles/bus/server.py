@@ -107,6 +107,8 @@ class EmbeddedNats:
         stop_timeout_s: float = 10.0,
         binary: str | Path | None = None,
         extra_config: str = "",
+        jetstream: bool = True,
+        js_domain: str | None = None,
     ) -> None:
         if not 1024 <= max_payload <= MAX_MAX_PAYLOAD:
             raise ValueError(f"max_payload must be in [1 KiB, 64 MiB], got {max_payload}")
@@ -122,6 +124,8 @@ class EmbeddedNats:
         self.stop_timeout_s = stop_timeout_s
         self._binary = Path(binary) if binary is not None else None
         self.extra_config = extra_config
+        self.jetstream = jetstream  # False: a leaf node that uses its hub's JetStream
+        self.js_domain = js_domain
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
         self._url: str | None = None
@@ -166,11 +170,13 @@ class EmbeddedNats:
             'write_deadline: "30s"',
             f"ports_file_dir: {_conf_str(self.dir)}",
             f"pid_file: {_conf_str(self.dir / 'nats-server.pid')}",
-            "jetstream {",
-            f"  store_dir: {_conf_str(self.store_dir)}",
-            "}",
-            self.extra_config,
         ]
+        if self.jetstream:
+            lines += ["jetstream {", f"  store_dir: {_conf_str(self.store_dir)}"]
+            if self.js_domain:
+                lines.append(f"  domain: {_conf_str(self.js_domain)}")
+            lines.append("}")
+        lines.append(self.extra_config)
         return "\n".join(lines) + "\n"
 
     # ------------------------------------------------------------------ lifecycle (sync core)
@@ -233,11 +239,35 @@ class EmbeddedNats:
             time.sleep(0.02)
 
     def _healthy(self) -> bool:
+        # /healthz answers ok once JetStream is up (in a cluster: once it has a meta leader); a server
+        # without JetStream is ready when it serves /varz.
         try:
-            with _NO_PROXY.open(f"{self._monitor_url}/healthz", timeout=2) as resp:
-                return resp.status == 200 and json.loads(resp.read()).get("status") == "ok"
+            with _NO_PROXY.open(f"{self._monitor_url}/{'healthz' if self.jetstream else 'varz'}", timeout=2) as resp:
+                body = json.loads(resp.read())
+                return resp.status == 200 and (not self.jetstream or body.get("status") == "ok")
         except (OSError, ValueError, urllib.error.URLError):
             return False
+
+    def varz(self) -> dict[str, Any]:
+        """The server's /varz (ports, connections, leaf links), or {} when it does not answer."""
+        try:
+            with _NO_PROXY.open(f"{self.monitor_url}/varz", timeout=2) as resp:
+                return dict(json.loads(resp.read()))
+        except (OSError, ValueError, urllib.error.URLError, BusError):
+            return {}
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: no clean shutdown, its store as it was on disk); :meth:`start_sync` brings
+        it back on the same directory and, with a fixed ``port``, the same URL."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            log.info("nats_server_killed", pid=proc.pid)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        self._url = self._monitor_url = None
 
     def _log_tail(self, lines: int = 3) -> str:
         try:

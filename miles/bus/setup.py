@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import structlog
 
-from miles.bus.connect import connect
+from miles.bus.connect import close_client, connect
 from miles.bus.errors import BusError
+from miles.bus.retry import Outage, resilient_jetstream
 from miles.bus.streams import ensure_run_streams
 from miles.bus.subjects import Subjects
 from miles.config import BusConfig
@@ -31,6 +32,7 @@ async def setup_run(cfg: BusConfig, url: str, run: str) -> None:
         if creds.run != run:
             raise BusError(f"bus.credentials_dir holds the credentials of run {creds.run!r}, not {run!r}")
         extra = creds.nats_options()
+    outage = Outage(budget_s=cfg.outage_budget_s)
     nc = await connect(
         url,
         name=f"{run}:setup",
@@ -39,11 +41,11 @@ async def setup_run(cfg: BusConfig, url: str, run: str) -> None:
         tls_cert=cfg.tls_cert,
         tls_key=cfg.tls_key,
         extra_options=extra,
+        outage=outage,
     )
     try:
-        await ensure_run_streams(
-            nc.jetstream(timeout=10.0), Subjects(run), replicas=cfg.replicas, ack_wait_s=cfg.ack_wait_s
-        )
+        js = resilient_jetstream(nc, outage, domain=cfg.js_domain)  # a fresh cluster may still elect leaders
+        await ensure_run_streams(js, Subjects(run), replicas=cfg.replicas, ack_wait_s=cfg.ack_wait_s)
     finally:
-        await nc.close()
+        await close_client(nc)  # past the outage budget too, without hiding why
     log.info("run_set_up", run=run, url=url, identity="setup" if extra else "anonymous")

@@ -20,12 +20,17 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 
 from miles.bus.dataplane import WeightStore
+from miles.bus.errors import BusError
 from miles.bus.subjects import Subjects
 
 DAY_S = 24 * 3600.0
+# How long a stream remembers message ids: a prompt (or an issue record) that a restarted controller sends
+# again within this window is stored once. Beyond it a re-sent prompt is played again, and the trainer
+# counts the second trajectory as a duplicate (docs/deploy.md, "Outages").
+DEDUPE_WINDOW_S = 15 * 60.0
 
 
 def stream_configs(subjects: Subjects, replicas: int) -> list[StreamConfig]:
@@ -38,6 +43,7 @@ def stream_configs(subjects: Subjects, replicas: int) -> list[StreamConfig]:
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             num_replicas=replicas,
+            duplicate_window=DEDUPE_WINDOW_S,
         ),
         StreamConfig(
             name=subjects.evalq_stream,
@@ -45,6 +51,7 @@ def stream_configs(subjects: Subjects, replicas: int) -> list[StreamConfig]:
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             num_replicas=replicas,
+            duplicate_window=DEDUPE_WINDOW_S,
         ),
         StreamConfig(
             name=subjects.traj_stream,
@@ -73,6 +80,7 @@ def stream_configs(subjects: Subjects, replicas: int) -> list[StreamConfig]:
             num_replicas=replicas,
             max_age=30 * DAY_S,
             allow_direct=True,
+            duplicate_window=DEDUPE_WINDOW_S,
         ),
         StreamConfig(
             name=subjects.dlq_stream,
@@ -105,41 +113,80 @@ def consumer_configs(subjects: Subjects, ack_wait_s: float) -> list[tuple[str, C
         (s.prompts_stream, durable(s.ROLLOUT_CONSUMER)),
         (s.evalq_stream, durable(s.ROLLOUT_EVAL_CONSUMER, max_ack_pending=10_000)),
         (s.traj_stream, durable(s.TRAINER_CONSUMER)),
-        # The controller's inputs: durable, so a restarted controller resumes where it stopped.
-        (s.events_stream, durable(s.CONTROLLER_EVENTS_CONSUMER, filter_subject=s.discarded)),
-        (s.events_stream, durable(s.CONTROLLER_WEIGHTS_CONSUMER, filter_subject=s.weights_held)),
-        (s.events_stream, durable(s.CONTROLLER_EVAL_CONSUMER, filter_subject=s.eval_results)),
-        (s.metrics_stream, durable(s.CONTROLLER_METRICS_CONSUMER, filter_subject=s.metrics_all)),
+        # The controller needs none: it reads EVENTS and METRICS in order by direct gets, from the start at
+        # every start (its state is rebuilt from them, miles.actors.controller).
     ]
 
 
+# "Already exists" answers of a creation that lost a race with another actor's identical one (nats-server
+# errors.json: stream name in use, consumer name in use / already exists); the object is there, as wanted.
+_ALREADY_EXISTS = {10058, 10013, 10105, 10148}
+CREATE_ATTEMPTS = 5
+
+
+def _already_exists(exc: APIError) -> bool:
+    return exc.err_code in _ALREADY_EXISTS or "already" in (exc.description or "").lower()
+
+
+def _differs(existing: StreamConfig, wanted: StreamConfig) -> bool:
+    """Whether an update is needed: only the fields Miles sets are compared (the server fills in the rest)."""
+    fields = ("subjects", "retention", "storage", "num_replicas", "max_age", "allow_direct", "duplicate_window")
+    return any(getattr(wanted, f) is not None and getattr(existing, f) != getattr(wanted, f) for f in fields)
+
+
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
-    try:
-        await js.stream_info(config.name)
-    except NotFoundError:
+    """Create ``config``'s stream, or update it if it exists with other settings. Safe when every actor of a
+    fresh cluster does it at the same moment: a lost creation race is a success, and the JetStream
+    context retries what a leader election answers (miles.bus.retry)."""
+    for _ in range(CREATE_ATTEMPTS):
         try:
-            await js.add_stream(config)
-            return
-        except BadRequestError:
-            pass  # another actor created it between our two calls
-    await js.update_stream(config)
+            existing = (await js.stream_info(config.name)).config
+        except NotFoundError:
+            try:
+                await js.add_stream(config)
+                return
+            except APIError as exc:
+                if not _already_exists(exc):
+                    raise
+                continue  # created by another actor between our two calls: look again
+        if _differs(existing, config):
+            await js.update_stream(config)
+        return
+    raise BusError(f"stream {config.name} neither exists nor can be created (tried {CREATE_ATTEMPTS} times)")
+
+
+async def _ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerConfig) -> None:
+    try:
+        await js.add_consumer(stream, config)  # idempotent for an identical config
+    except APIError as exc:
+        if not _already_exists(exc):
+            raise
+        await js.consumer_info(stream, config.durable_name or "")  # it is there
 
 
 async def _ensure_bucket(js: JetStreamContext, bucket: str, replicas: int) -> None:
     try:
         await js.key_value(bucket)
+        return
     except (BucketNotFoundError, NotFoundError):  # which one depends on the nats-py version
+        pass
+    try:
         # direct: reads are direct gets by key, which a bind-only identity may make
         await js.create_key_value(bucket=bucket, history=1, replicas=replicas, direct=True)
+    except APIError as exc:
+        if not _already_exists(exc):
+            raise
+        await js.key_value(bucket)
 
 
 async def ensure_run_streams(js: JetStreamContext, subjects: Subjects, *, replicas: int, ack_wait_s: float) -> None:
-    """Create (or update) the run's streams, weight streams, durable consumers and buckets (idempotent)."""
+    """Create (or update) the run's streams, weight streams, durable consumers and buckets (idempotent, and
+    safe to run from every actor at once)."""
     for config in stream_configs(subjects, replicas):
         await _ensure_stream(js, config)
     for kind in ("full", "delta"):
         await WeightStore.create(js, subjects.run, replicas=replicas, kind=kind)
     for stream, consumer in consumer_configs(subjects, ack_wait_s):
-        await js.add_consumer(stream, consumer)  # idempotent for an identical config
+        await _ensure_consumer(js, stream, consumer)
     await _ensure_bucket(js, subjects.state_bucket, replicas)
     await _ensure_bucket(js, subjects.runinfo_bucket, replicas)

@@ -61,6 +61,11 @@ class Subjects:
         return f"{self.run}.metrics.eval"
 
     @property
+    def issued(self) -> str:
+        """The controller's issue records (GroupsIssued), published before the prompts they list."""
+        return f"{self.run}.metrics.issued"
+
+    @property
     def done(self) -> str:
         return f"{self.run}.metrics.done"
 
@@ -107,11 +112,7 @@ class Subjects:
     # durable consumers
     ROLLOUT_CONSUMER: ClassVar[str] = "rollout"
     ROLLOUT_EVAL_CONSUMER: ClassVar[str] = "rollout-eval"
-    CONTROLLER_EVAL_CONSUMER: ClassVar[str] = "controller-evals"
     TRAINER_CONSUMER: ClassVar[str] = "trainer"
-    CONTROLLER_EVENTS_CONSUMER: ClassVar[str] = "controller-events"
-    CONTROLLER_METRICS_CONSUMER: ClassVar[str] = "controller-metrics"
-    CONTROLLER_WEIGHTS_CONSUMER: ClassVar[str] = "controller-weights"
 
     # key-value buckets
     @property

@@ -53,7 +53,22 @@ def prepared_model_dir(model_cfg: Any, task_cfg: Any) -> Path:
                 "first (`miles run` does it for you)"
             )
         return path
+    if model_cfg.type == "family":
+        return family_dir(model_cfg, build=False)
     return pretrained_dir(model_cfg)
+
+
+def family_dir(model_cfg: Any, *, build: bool) -> Path:
+    """The checkpoint of a ``type: family`` model: its tiny twin (built by preparation when ``build``), or the
+    full-size ``path`` checked against the family's model type. Errors are this module's two kinds."""
+    from miles.models.families.build import CheckpointMismatchError, TwinNotBuiltError, resolve_family_dir
+
+    try:
+        return resolve_family_dir(model_cfg, build=build)
+    except TwinNotBuiltError as exc:
+        raise ModelNotPrepared(str(exc)) from None
+    except CheckpointMismatchError as exc:
+        raise ModelNotFoundError(str(exc)) from None
 
 
 def to_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -98,8 +113,15 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
     return ids
 
 
-def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """EOS plus any end-of-turn tokens the vocabulary defines, deduplicated, EOS first."""
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model_dir: str | Path | None = None) -> list[int]:
+    """EOS plus any end-of-turn tokens the vocabulary defines, then (given ``model_dir``) the EOS ids of its
+    ``generation_config.json``, deduplicated, EOS first.
+
+    The generation config is where checkpoints list every token a turn may end with (Gemma's ``<turn|>``,
+    GPT-OSS's ``<|return|>`` and ``<|call|>``, GLM's next role markers); a family's tiny twin writes its
+    family's stop tokens there. A malformed file raises rather than silently generating past a turn."""
+    import json
+
     ids: list[int] = []
     eos: Any = tokenizer.eos_token_id
     if isinstance(eos, int):
@@ -110,6 +132,13 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     for token in _EXTRA_STOP_TOKENS:
         if token in vocab:
             ids.append(int(vocab[token]))
+    path = Path(model_dir) / "generation_config.json" if model_dir is not None else None
+    if path is not None and path.is_file():
+        listed = json.loads(path.read_text()).get("eos_token_id")
+        listed = [listed] if isinstance(listed, int) else (listed or [])
+        if not isinstance(listed, list) or not all(isinstance(i, int) and 0 <= i < len(tokenizer) for i in listed):
+            raise ValueError(f"{path}: eos_token_id must be token ids of the tokenizer, got {listed!r}")
+        ids.extend(listed)
     return list(dict.fromkeys(ids))
 
 

@@ -281,15 +281,13 @@ def _controller(n: RunNames, inbox: str, compat: bool) -> Permissions:
         n.evalq,
         s.control,
         s.eval,
+        s.issued,
         f"$KV.{s.state_bucket}.>",
         f"$KV.{n.runinfo_bucket}.>",
         s.heartbeat("controller", "*"),
         n.dead_letters("controller"),
-        # every durable on EVENTS and METRICS is the controller's (discards, held weights, eval results,
-        # metrics); the work queues and trajectories are not
-        *_pull(s.events_stream, "*"),
-        *_pull(s.metrics_stream, "*"),
-        *_direct(s.events_stream),
+        # its own state, rebuilt at every start by reading EVENTS and METRICS in order (direct gets)
+        *_direct(s.events_stream, s.metrics_stream),
         *_direct_last(s.events_stream),
         # an announced version is believed only if the data plane holds it: its manifest, by leader read
         *_msg_get(n.weights_stream, n.delta_stream),
@@ -300,7 +298,9 @@ def _controller(n: RunNames, inbox: str, compat: bool) -> Permissions:
     ]
     if compat:
         publish += _ordered_consumer(s.events_stream)
-        # pull_subscribe(durable=..., config=...) looks the durable up, then creates it by name and filter
+        # a controller of before the rebuild-from-the-streams change reads EVENTS and METRICS through durables
+        # of its own, which pull_subscribe(durable=..., config=...) looks up, then creates by name and filter
+        publish += [*_pull(s.events_stream, "*"), *_pull(s.metrics_stream, "*")]
         for st in (s.events_stream, s.metrics_stream):
             publish += [
                 f"{API}.CONSUMER.INFO.{st}.*",
@@ -310,7 +310,18 @@ def _controller(n: RunNames, inbox: str, compat: bool) -> Permissions:
     return Permissions(
         publish_allow=_unique(publish),
         publish_deny=(f"$KV.{s.state_bucket}.trainer_version",),
-        subscribe_allow=(s.control, s.heartbeat("*", "*"), s.weights, inbox),
+        # core subscriptions that wake its in-order readers of EVENTS and METRICS (what it reads is the
+        # direct get; a message is believed only from the stream)
+        subscribe_allow=(
+            s.control,
+            s.heartbeat("*", "*"),
+            s.weights,
+            s.metrics_all,
+            s.discarded,
+            s.weights_held,
+            s.eval_results,
+            inbox,
+        ),
     )
 
 

@@ -57,6 +57,7 @@ SIGNED_BY: dict[str, Signer] = {
     "prompt_group": "controller",
     "eval_task": "controller",
     "eval_result": "controller",
+    "groups_issued": "controller",
     "control": "controller",
 }
 

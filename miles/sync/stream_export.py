@@ -41,8 +41,7 @@ import torch
 import xxhash
 
 from miles.sync.payload import _DTYPES as SAFETENSORS_DTYPES
-from miles.sync.precision import SCALE_SUFFIX, is_quantizable, is_quantized, to_rollout_state
-from miles.sync.quant import FP4_BLOCK
+from miles.sync.precision import SCALE_SUFFIX, encoding, is_quantized, to_rollout_state
 
 log = structlog.get_logger(__name__)
 
@@ -69,8 +68,9 @@ class TensorSpec:
         return cls(name, tensor.dtype, tuple(tensor.shape))
 
 
-def rollout_specs(sources: Iterable[TensorSpec], precision: str) -> list[TensorSpec]:
-    """The tensors :func:`to_rollout_state` publishes for tensors shaped like ``sources``, sorted by name."""
+def rollout_specs(sources: Iterable[TensorSpec], precision: str, family: str | None = None) -> list[TensorSpec]:
+    """The tensors :func:`to_rollout_state` publishes for tensors shaped like ``sources`` (under the model
+    ``family``'s quantization rule, if given), sorted by name."""
     is_quantized(precision)  # validates the name
     cast = _CAST.get(precision, torch.bfloat16)
     out: list[TensorSpec] = []
@@ -78,14 +78,11 @@ def rollout_specs(sources: Iterable[TensorSpec], precision: str) -> list[TensorS
         if src.name.endswith(SCALE_SUFFIX):
             raise ValueError(f"{src.name}: a model state dict must not contain '{SCALE_SUFFIX}' names")
         probe = torch.empty(src.shape, dtype=src.dtype, device="meta")
-        if is_quantizable(src.name, probe, precision):
-            rows, cols = src.shape
-            if precision == "fp8_e4m3":
-                out += [TensorSpec(src.name, torch.float8_e4m3fn, src.shape)]
-                out += [TensorSpec(src.name + SCALE_SUFFIX, torch.float32, ())]
-            else:
-                out += [TensorSpec(src.name, torch.float4_e2m1fn_x2, (rows, cols // 2))]
-                out += [TensorSpec(src.name + SCALE_SUFFIX, torch.float8_e8m0fnu, (rows, cols // FP4_BLOCK))]
+        how = encoding(src.name, probe, precision, family)
+        if how is not None:
+            (codes_dtype, codes_shape), (scales_dtype, scales_shape) = how.specs(src.shape)
+            out += [TensorSpec(src.name, codes_dtype, codes_shape)]
+            out += [TensorSpec(src.name + SCALE_SUFFIX, scales_dtype, scales_shape)]
         elif src.dtype.is_floating_point:
             out.append(TensorSpec(src.name, cast, src.shape))
         else:
@@ -96,9 +93,11 @@ def rollout_specs(sources: Iterable[TensorSpec], precision: str) -> list[TensorS
     return sorted(out, key=lambda s: s.name)
 
 
-def rollout_tensors(name: str, tensor: torch.Tensor, precision: str) -> dict[str, torch.Tensor]:
+def rollout_tensors(
+    name: str, tensor: torch.Tensor, precision: str, family: str | None = None
+) -> dict[str, torch.Tensor]:
     """One tensor in rollout precision: ``to_rollout_state`` of a one-tensor state (same bits, by construction)."""
-    return to_rollout_state({name: tensor}, precision)
+    return to_rollout_state({name: tensor}, precision, family)
 
 
 def raw_bytes(tensor: torch.Tensor) -> memoryview:
@@ -140,14 +139,21 @@ class PayloadLayout:
     tensors: tuple[TensorSpec, ...]
     header: bytes  # 8-byte little-endian length + JSON, space-padded to a multiple of 8 like safetensors
     size: int
+    family: str | None = None  # model family whose quantization rule applies (None: the generic rule)
     sha256: bool = False  # also hash the payload with SHA-256 (bus.payload_sha256, docs/security.md)
 
     @classmethod
     def plan(
-        cls, sources: Iterable[TensorSpec], precision: str, version: int, *, sha256: bool = False
+        cls,
+        sources: Iterable[TensorSpec],
+        precision: str,
+        version: int,
+        family: str | None = None,
+        *,
+        sha256: bool = False,
     ) -> PayloadLayout:
         """Layout of the rollout-precision payload of ``sources`` (the model's full-tensor specs)."""
-        tensors = tuple(rollout_specs(sources, precision))
+        tensors = tuple(rollout_specs(sources, precision, family))
         entries: dict[str, object] = {"__metadata__": {METADATA_KEY: str(version)}}
         offset = 0
         for spec in tensors:
@@ -170,6 +176,7 @@ class PayloadLayout:
             tensors=tensors,
             header=header,
             size=len(header) + offset,
+            family=family,
             sha256=sha256,
         )
 
@@ -256,7 +263,7 @@ def iter_rollout_tensors(
     pending: dict[int, torch.Tensor] = {}
     next_index = 0
     for name, tensor in params:
-        converted = rollout_tensors(name, tensor, layout.precision)
+        converted = rollout_tensors(name, tensor, layout.precision, layout.family)
         del tensor  # the full-precision tensor goes before the exporter gathers the next one
         for out_name in list(converted):
             out = converted.pop(out_name)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
+from miles.actors.controller import KEY_CONTROLLER_SEEN
 from miles.bus import client
 from miles.bus.runinfo import RunInfo
 from miles.bus.schema import KINDS, SCHEMA_VERSION, Episode, GroupsDiscarded
@@ -88,9 +89,9 @@ def test_schema_version_streams_consumers_buckets_and_keys_are_named() -> None:
     names = {c.name for c in stream_configs(s, 1)} | {f"{RUN}_WEIGHTS", f"{RUN}_WEIGHTS_DELTA"}
     names |= {c.durable_name for _, c in consumer_configs(s, 30.0)}
     names |= {s.state_bucket, s.runinfo_bucket}
-    names |= {v for k, v in vars(client).items() if k.startswith("KEY_")} | {"controller_state"}
+    names |= {v for k, v in vars(client).items() if k.startswith("KEY_")} | {KEY_CONTROLLER_SEEN}
     subjects = [s.prompts, s.traj, s.evalq, s.eval_results, s.weights, s.weights_held, s.discarded, s.control]
-    names |= {*subjects, s.step, s.eval, s.done, s.heartbeat("<role>", "<actor_id>")}
+    names |= {*subjects, s.step, s.eval, s.done, s.heartbeat("<role>", "<actor_id>"), s.issued}
     names.add(s.dead_letter("<role>", "<origin>"))
     assert [n for n in sorted(names) if n not in text] == []
 

@@ -243,3 +243,111 @@ def check_accounting(cluster: Cluster) -> dict[str, set[str]]:
     assert summary["groups_issued"] == len(events["issued"])
     assert summary["groups_outstanding"] == len(outstanding)
     return events
+
+
+@dataclass
+class StreamRecord:
+    """What the run's own streams say happened, counted independently of the controller's files."""
+
+    issued: dict[str, str]  # group id -> sample id, from the controller's issue records
+    issue_records: int
+    steps: dict[int, list[str]]  # step -> groups trained into the surviving version of that step
+    discarded: dict[str, bool]  # group id -> requeued
+    evals: dict[int, float]  # step of the evaluated version -> accuracy
+    done_steps: int | None
+    tickets: dict[str, set[str]]  # group id -> sample ids of every trajectory's ticket (the prompt as played)
+
+    @property
+    def trained(self) -> list[str]:
+        return [g for step in sorted(self.steps) for g in self.steps[step]]
+
+
+async def read_stream_record(url: str, cfg: RunConfig, *, role: str = "monitor") -> StreamRecord:
+    """Read METRICS, EVENTS and TRAJ of ``cfg``'s run (with ``cfg.bus``'s credentials, as ``role``)."""
+    from miles.bus.client import Bus
+    from miles.bus.follow import stored_messages
+    from miles.bus.schema import (
+        EvalResult,
+        GroupsDiscarded,
+        GroupsIssued,
+        PromptGroup,
+        StepMetrics,
+        TrainerDone,
+        Trajectory,
+        WeightsAnnounced,
+        decode,
+        decode_any,
+    )
+
+    bus = await Bus.open(cfg.bus, url, cfg.name, "audit", role=role)
+    s = bus.subjects
+    try:
+        version_steps: dict[int, int] = {}
+        async for raw in stored_messages(bus.js, s.events_stream, s.weights):
+            ann = decode(raw.data, WeightsAnnounced)
+            version_steps[ann.version] = ann.step
+        issued: dict[str, str] = {}
+        records = 0
+        steps: dict[int, list[str]] = {}
+        evals: dict[int, float] = {}
+        done_steps = None
+        async for raw in stored_messages(bus.js, s.metrics_stream, s.metrics_all):
+            msg = decode_any(raw.data)
+            if isinstance(msg, GroupsIssued):
+                records += 1
+                for gid, sid in zip(msg.group_ids, msg.sample_ids, strict=True):
+                    assert issued.setdefault(gid, sid) == sid, f"{gid} issued twice with different samples"
+            elif isinstance(msg, StepMetrics):
+                steps[msg.step] = list(msg.trained_group_ids)  # a replayed step supersedes the lost one
+            elif isinstance(msg, EvalResult):
+                evals.setdefault(version_steps.get(msg.requested_version, 0), msg.accuracy)
+            elif isinstance(msg, TrainerDone):
+                done_steps = msg.steps
+        discarded: dict[str, bool] = {}
+        async for raw in stored_messages(bus.js, s.events_stream, s.discarded):
+            d = decode(raw.data, GroupsDiscarded)
+            for gid in d.group_ids:
+                assert gid not in discarded, f"{gid} discarded twice"
+                discarded[gid] = d.requeue
+        tickets: dict[str, set[str]] = {}
+        if role != "monitor":  # the monitor may not read trajectories
+            async for raw in stored_messages(bus.js, s.traj_stream, s.traj):
+                traj = decode(raw.data, Trajectory)
+                if traj.ticket:
+                    tickets.setdefault(traj.group_id, set()).add(decode(traj.ticket, PromptGroup).sample_id)
+        return StreamRecord(issued, records, steps, discarded, evals, done_steps, tickets)
+    finally:
+        await bus.close()
+
+
+def check_stream_accounting(cluster: Cluster, record: StreamRecord) -> None:
+    """Server-side accounting: every issued group trained (once), dropped or re-issued, or outstanding within
+    the admission window; nothing trained that was not issued; no group id played under another sample; and
+    summary.json, metrics.jsonl and the ledger agree with the streams."""
+    cfg = cluster.cfg
+    trained = record.trained
+    assert len(trained) == len(set(trained)), "a group was trained twice"
+    assert set(trained) <= set(record.issued), "a trained group was never issued"
+    assert not set(trained) & set(record.discarded), "a group was both trained and discarded"
+    assert set(record.discarded) <= set(record.issued)
+    outstanding = set(record.issued) - set(trained) - set(record.discarded)
+    assert len(outstanding) <= (cfg.staleness.max_staleness + 1) * cfg.trainer.groups_per_step
+    assert sorted(record.steps) == list(range(cfg.trainer.steps)) and record.done_steps == cfg.trainer.steps
+    for gid, samples in record.tickets.items():
+        assert samples == {record.issued[gid]}, f"{gid} was played as {samples}, issued as {record.issued[gid]}"
+    summary = cluster.summary()
+    assert summary["status"] == "complete" and summary["steps"] == cfg.trainer.steps
+    assert summary["trajectories_trained"] == len(trained)
+    assert summary["groups_issued"] == len(record.issued)
+    assert summary["groups_outstanding"] == len(outstanding)
+    assert summary["trajectories_dropped"] == len(record.discarded)
+    assert summary["trajectories_requeued"] == sum(record.discarded.values())
+    assert summary["eval_before"] == record.evals.get(0)
+    last = max(record.evals)
+    assert (summary["eval_after_step"], summary["eval_after"]) == (last, record.evals[last])
+    steps_in_file = [json.loads(line)["step"] for line in (cluster.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(steps_in_file) == list(range(cfg.trainer.steps)), f"metrics.jsonl steps: {steps_in_file}"
+    ledger = cluster.ledger()
+    assert sorted(r["group_id"] for r in ledger if r["event"] == "issued") == sorted(record.issued)
+    assert sorted(r["group_id"] for r in ledger if r["event"] == "trained") == sorted(trained)
+    assert sorted(r["group_id"] for r in ledger if r["event"] in ("dropped", "requeued")) == sorted(record.discarded)

@@ -21,7 +21,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from miles.bus.dataplane import WeightStore
-from miles.bus.follow import follow, last_message
+from miles.bus.follow import follow, last_message, next_message
 from miles.bus.server import EmbeddedNats
 from miles.bus.streams import ensure_run_streams
 from miles.security.bundle import RoleCredentials, server_config, write_bundle
@@ -30,11 +30,11 @@ from miles.security.permissions import RunNames
 RUN = "sec"
 NAMES = RunNames(RUN)
 S = NAMES.subjects
-CONTROLLER_DURABLES = {  # durable -> (stream, filter subject), as the setup step makes them
-    S.CONTROLLER_EVENTS_CONSUMER: (S.events_stream, S.discarded),
-    S.CONTROLLER_WEIGHTS_CONSUMER: (S.events_stream, S.weights_held),
-    S.CONTROLLER_EVAL_CONSUMER: (S.events_stream, NAMES.eval_results),
-    S.CONTROLLER_METRICS_CONSUMER: (S.metrics_stream, S.metrics_all),
+CONTROLLER_READS = {  # what the controller reads in order, by direct get (its state is rebuilt from them)
+    S.discarded: S.events_stream,
+    S.weights_held: S.events_stream,
+    NAMES.eval_results: S.events_stream,
+    S.step: S.metrics_stream,
 }
 
 
@@ -223,11 +223,8 @@ async def controller_duties(controller: Session, trainer: Session, rollout: Sess
     await rollout.js.publish(S.traj, pack("trajectory", group_id="g0"))
     await trainer.js.publish(S.discarded, pack("groups_discarded", group_ids=[]))
     await trainer.js.publish(S.step, pack("step_metrics", step=0))
-    for durable, (stream, _) in CONTROLLER_DURABLES.items():
-        sub = await controller.js.pull_subscribe_bind(durable=durable, stream=stream)
-        (msg,) = await sub.fetch(1, timeout=5)
-        await msg.ack_sync()
-        await sub.unsubscribe()
+    for subject, stream in CONTROLLER_READS.items():
+        assert await next_message(controller.js, stream, subject, 0) is not None, subject
     done = asyncio.Event()
     seen = []
     async for msg in follow(controller.nc, controller.js, S.events_stream, S.weights, done):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.actors.controller import Controller, pull_messages
+from miles.actors.controller import Controller
 from miles.bus.client import Bus
 from miles.bus.dataplane import WeightStore
 from miles.bus.schema import EvalShardResult, EvalTask, Heartbeat, TrainerDone, WeightsAnnounced, WeightsHeld, decode
@@ -201,24 +201,3 @@ async def _until_dead_lettered(bus: Bus, n: int, timeout_s: float = 20.0) -> Non
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"DLQ never held {n} messages (has {await bus.dead_letter_stream_size()})")
-
-
-async def test_the_controllers_durables_resume_where_they_stopped(peer: Bus) -> None:
-    """A second reader of the controller's durable (a restarted controller) binds to it and gets only new
-    reports: the setup step made the consumer, the controller never creates one."""
-    s = peer.subjects
-
-    async def read_one(version: int) -> int:
-        await peer.publish(s.weights_held, WeightsHeld(worker_id="w", version=version, state_digest="a", mode="full"))
-        done = asyncio.Event()
-        messages = pull_messages(peer, s.events_stream, s.CONTROLLER_WEIGHTS_CONSUMER, done)
-        msg = await asyncio.wait_for(anext(messages), 10)
-        await msg.ack_sync()  # confirmed by the server: a plain ack may still be in flight at consumer_info
-        done.set()
-        await messages.aclose()
-        return decode(msg.data, WeightsHeld).version
-
-    assert await read_one(1) == 1
-    assert await read_one(2) == 2  # not a redelivery of the first
-    info = await peer.js.consumer_info(s.events_stream, s.CONTROLLER_WEIGHTS_CONSUMER)
-    assert info.num_pending == 0 and info.num_ack_pending == 0

@@ -1,11 +1,12 @@
 """Weight sync on each family's real tensor names and layouts (tiny twins, CPU): delta, LoRA, quantized rollout.
 
-These drive the existing sync code (miles/sync) with the twins' state dicts; what it does not handle yet
-for a family is marked ``xfail(strict=True)``, so that wiring the family rule in turns the marker red.
+These drive the sync code (miles/sync) with the twins' state dicts: delta coding of fused 3-D experts, LoRA
+on each family's targets, and rollout quantization under each family's rule and native format.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,8 @@ from miles.models.families.rules import lora_targets, quantizable
 from miles.models.loading import load_policy
 from miles.sync.delta import apply_state_delta, encode_state_delta
 from miles.sync.lora import AdapterApplier, add_adapters, lora_scale, split_peft_state
-from miles.sync.precision import from_rollout_state, is_quantizable, to_rollout_state
+from miles.sync.precision import SCALE_SUFFIX, from_rollout_state, is_quantizable, to_rollout_state
+from miles.sync.stream_export import TensorSpec, rollout_specs
 
 FAMILIES = family_names()
 
@@ -80,21 +82,86 @@ def test_lora_sync_merges_the_family_targets_like_peft(name: str, twins: dict[st
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_fp8_rollout_state_round_trips_today(name: str, twins: dict[str, Path]) -> None:
-    """Today's per-tensor FP8 path runs on every family (it quantizes the 2-D linear weights only)."""
+def test_rollout_quantization_follows_the_family_rule(name: str, twins: dict[str, Path]) -> None:
+    """What sync quantizes is what the family's rule says: fused experts in, routers and gates out; the
+    generic rule (no family) is unchanged: 2-D linear weights only."""
+    model, _ = load_policy(twins[name])
+    family = get_family(name)
+    state = model.state_dict()
+    ruled = {k for k, t in state.items() if quantizable(k, t, family) is not None}
+    assert {k for k, t in state.items() if is_quantizable(k, t, "fp8_e4m3", family)} == ruled
+    assert {k for k, t in state.items() if is_quantizable(k, t, "fp8_e4m3", name)} == ruled  # by name too
+    if family.moe is not None and family.quant.experts is not None:
+        assert any(state[k].dim() == 3 for k in ruled)  # fused 3-D experts quantize
+    assert not any(re.search(p, k) for k in ruled for p in family.quant.exclude)
+    generic = {k for k, t in state.items() if is_quantizable(k, t, "fp8_e4m3")}
+    assert all(state[k].dim() == 2 for k in generic)
+
+
+@pytest.mark.parametrize("precision", ["fp8_e4m3", "fp4_e2m1"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_rollout_state_round_trips_and_streams_the_same(
+    name: str, precision: str, twins: dict[str, Path]
+) -> None:
+    """Every quantized tensor comes back in the model's own shape, close to the master weights; the streamed
+    export's plan (shapes known up front) matches the whole-state conversion tensor for tensor."""
+    model, _ = load_policy(twins[name])
+    state = model.state_dict()
+    published = to_rollout_state(state, precision, name)
+    back = from_rollout_state(published, torch.float32)
+    assert set(back) == set(state)
+    quantized = [k for k in state if k + SCALE_SUFFIX in published]
+    assert quantized
+    tolerance = 1 / 16 if precision == "fp8_e4m3" else 1 / 2  # worst relative step of e4m3 / e2m1 near amax
+    for k in quantized:
+        assert back[k].shape == state[k].shape, k
+        assert not torch.equal(back[k], state[k]), k  # really quantized
+        assert float((back[k] - state[k]).abs().max()) <= tolerance * float(state[k].abs().max()), k
+    plan = rollout_specs([TensorSpec.of(k, t) for k, t in state.items()], precision, name)
+    assert [(s.name, s.dtype, s.shape) for s in plan] == sorted(
+        (k, t.dtype, tuple(t.shape)) for k, t in published.items()
+    )
+
+
+def test_deepseek_fp8_is_block_scaled_128() -> None:
+    """DeepSeek-V3.2's released format: e4m3 codes with one float32 scale per 128x128 block, experts too."""
+    family = get_family("deepseek_v32")
+    state = {
+        "model.layers.1.self_attn.q_b_proj.weight": torch.randn(300, 200),
+        "model.layers.1.mlp.experts.gate_up_proj": torch.randn(4, 260, 64),
+        "model.layers.1.mlp.gate.weight": torch.randn(4, 64),
+    }
+    out = to_rollout_state(state, "fp8_e4m3", family)
+    assert out["model.layers.1.self_attn.q_b_proj.weight.qscale"].shape == (3, 2)
+    assert out["model.layers.1.mlp.experts.gate_up_proj.qscale"].shape == (4, 3, 1)
+    assert out["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16  # the router stays bf16
+    assert to_rollout_state(state, "fp8_e4m3")["model.layers.1.self_attn.q_b_proj.weight.qscale"].shape == ()
+
+
+def test_gpt_oss_fp4_is_mxfp4_along_the_input_axis() -> None:
+    """GPT-OSS's released expert format: e2m1 codes, one e8m0 scale per 32 input features; its experts are
+    (E, in, out), so the blocks run along axis 1. Attention, router and sinks stay bf16."""
+    family = get_family("gpt_oss")
+    state = {
+        "model.layers.0.mlp.experts.gate_up_proj": torch.randn(4, 64, 192),  # (E, in=hidden, out=2*inter)
+        "model.layers.0.mlp.experts.down_proj": torch.randn(4, 96, 64),  # (E, in=inter, out=hidden)
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(64, 64),
+        "model.layers.0.self_attn.sinks": torch.randn(4),
+    }
+    out = to_rollout_state(state, "fp4_e2m1", family)
+    assert out["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 96)
+    assert out["model.layers.0.mlp.experts.gate_up_proj.qscale"].shape == (4, 2, 192)
+    assert out["model.layers.0.mlp.experts.down_proj.qscale"].shape == (4, 3, 64)
+    assert out["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert out["model.layers.0.self_attn.sinks"].dtype == torch.bfloat16
+    back = from_rollout_state(out, torch.float32)
+    assert back["model.layers.0.mlp.experts.down_proj"].shape == (4, 96, 64)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_fp8_rollout_state_round_trips_with_the_generic_rule(name: str, twins: dict[str, Path]) -> None:
+    """Without a family (a family checkpoint loaded as ``type: pretrained``) the generic rule still runs."""
     model, _ = load_policy(twins[name])
     state = model.state_dict()
     back = from_rollout_state(to_rollout_state(state, "fp8_e4m3"), torch.float32)
     assert set(back) == set(state)
-
-
-@pytest.mark.xfail(strict=True, reason="miles/sync/precision.py selects by name and 2-D shape, not the family rule")
-@pytest.mark.parametrize("name", FAMILIES)
-def test_rollout_quantization_follows_the_family_rule(name: str, twins: dict[str, Path]) -> None:
-    """What sync quantizes should be what the family's rule says: fused experts in, routers and gates out."""
-    model, _ = load_policy(twins[name])
-    family = get_family(name)
-    state = model.state_dict()
-    assert {k for k, t in state.items() if is_quantizable(k, t, "fp8_e4m3")} == {
-        k for k, t in state.items() if quantizable(k, t, family) is not None
-    }

@@ -41,6 +41,10 @@ class CheckpointMismatchError(ValueError):
     """A full-size ``model.path`` that is missing or holds another family's checkpoint."""
 
 
+class TwinNotBuiltError(FileNotFoundError):
+    """A tiny twin that preparation has not built on this machine."""
+
+
 def default_cache_dir() -> Path:
     """``~/.cache/miles/models`` (respects ``XDG_CACHE_HOME``), shared with the tiny Llama's cache."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -125,6 +129,20 @@ def _build_lock(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def tiny_twin_dir(
+    family: ModelFamily | str, root: str | Path | None = None, dims: TinyDims | None = None, seed: int = 0
+) -> Path:
+    """Where ``family``'s tiny twin is (or would be) cached; builds nothing."""
+    family = get_family(family) if isinstance(family, str) else family
+    root = Path(root).expanduser() if root is not None else default_cache_dir()
+    return root / f"{family.name}-tiny-{twin_cache_key(family, dims or TinyDims(), seed)}"
+
+
+def is_twin_built(path: Path) -> bool:
+    """Whether ``path`` holds a complete twin build (its build info is written last)."""
+    return (path / BUILD_INFO_FILE).is_file()
+
+
 def build_tiny_twin(
     family: ModelFamily | str, root: str | Path | None = None, dims: TinyDims | None = None, seed: int = 0
 ) -> Path:
@@ -135,11 +153,11 @@ def build_tiny_twin(
     """
     family = get_family(family) if isinstance(family, str) else family
     dims = dims or TinyDims()
-    root = Path(root).expanduser() if root is not None else default_cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{family.name}-tiny-{twin_cache_key(family, dims, seed)}"
-    if (final / BUILD_INFO_FILE).is_file():
+    final = tiny_twin_dir(family, root, dims, seed)
+    if is_twin_built(final):
         return final
+    root = final.parent
+    root.mkdir(parents=True, exist_ok=True)
     with _build_lock(root / f".{final.name}.lock"):
         if (final / BUILD_INFO_FILE).is_file():  # another process built it while we waited
             return final
@@ -157,12 +175,23 @@ def build_tiny_twin(
     return final
 
 
-def resolve_family_dir(cfg: FamilyModelConfig) -> Path:
+def resolve_family_dir(cfg: FamilyModelConfig, *, build: bool = True) -> Path:
     """The checkpoint directory for ``cfg``: the (cached) tiny twin, or the full-size ``path`` after checking
-    that its ``config.json`` is of the family's model type (a wrong path must not load silently)."""
+    that its ``config.json`` is of the family's model type (a wrong path must not load silently).
+
+    ``build=False`` only locates the twin (actors load what preparation built; they never build it):
+    :class:`TwinNotBuiltError` if it is not there."""
     family = get_family(cfg.family)
     if cfg.size == "tiny":
-        return build_tiny_twin(family, cfg.cache_dir, cfg.tiny, cfg.seed)
+        if build:
+            return build_tiny_twin(family, cfg.cache_dir, cfg.tiny, cfg.seed)
+        path = tiny_twin_dir(family, cfg.cache_dir, cfg.tiny, cfg.seed)
+        if not is_twin_built(path):
+            raise TwinNotBuiltError(
+                f"the {family.display_name} tiny twin of this recipe is not built on this machine ({path}); run "
+                "`miles prepare RECIPE` first (`miles run` does it for you)"
+            )
+        return path
     path = Path(cfg.path or "").expanduser()
     config_file = path / "config.json"
     if not config_file.is_file():

@@ -49,3 +49,9 @@ def get_family(name: str) -> ModelFamily:
     if name not in families:
         raise UnknownFamilyError(f"unknown model family {name!r} (known: {', '.join(sorted(families))})")
     return families[name]
+
+
+def family_of(model_cfg: object) -> str | None:
+    """The family name of a ``model:`` section of ``type: family``; None for any other model type (the
+    generic rules then apply, e.g. to which tensors rollout quantization touches)."""
+    return getattr(model_cfg, "family", None) if getattr(model_cfg, "type", None) == "family" else None

@@ -28,6 +28,13 @@ class BusTransport:
         self.store = store
 
     async def publish(self, layout: PayloadLayout, params: Params, *, run: Runner | None = None) -> Published:
+        # An export cut off by an outage (a chunk's ack lost in a server restart) is exported again from the
+        # start, within the bus's outage budget: the writer purges the partial version first.
+        return await self.store.retried(
+            lambda: self._publish(layout, params, run), what=f"weights v{layout.version} into the data plane"
+        )
+
+    async def _publish(self, layout: PayloadLayout, params: Params, run: Runner | None) -> Published:
         loop = asyncio.get_running_loop()
         async with self.store.writer(layout.version, layout.size) as writer:
 

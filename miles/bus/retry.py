@@ -1,0 +1,310 @@
+"""Riding out a server restart or a node loss: the one retry layer every JetStream call goes through.
+
+What an outage looks like from a client. A restarted single server drops every connection; nats-py
+reconnects within about half a second (:mod:`miles.bus.connect`), but a request in flight is lost and
+times out, and until the server's JetStream is back every request gets "no responders". In a 3-node
+cluster losing a node, clients connected to it move to another URL, and while the streams whose leader
+it was elect a new one, requests time out or are answered 503 (service unavailable). None of these
+is an error of the actor: the same request, sent again a little later, succeeds.
+
+So every JetStream request of an actor is wrapped by :func:`retrying`: on a *transient* error
+(:func:`is_transient`: timeouts, no responders, 503 and the other "try again" answers of JetStream, a
+connection that is reconnecting) it backs off (50 ms doubling to 2 s) and retries, for at most
+``bus.outage_budget_s`` seconds since the first failure. Past the budget it raises
+:class:`~miles.bus.errors.BusUnavailable`, whose one-line message says what the actor waited for; the
+actor exits with it (``miles-node: error: ...``) rather than hang. Anything else (a refused
+permission, a stream that does not exist, a bad request) is raised at once.
+
+Retrying a request is only safe when doing it twice is the same as doing it once:
+
+* JetStream publishes carry a ``Nats-Msg-Id`` (the caller's, e.g. the group id of a prompt, or a fresh
+  unique one per publish), so a publish whose ack was lost and that is sent again is stored once: the
+  stream's duplicate window drops the second copy and acks it with the first one's sequence.
+* JetStream API calls Miles makes are idempotent (info, direct gets, purges of a subject, creating a
+  stream or a consumer with the config it already has: "already exists" is success to the caller).
+* An ack that cannot be confirmed is left to redelivery (:func:`ack_or_redeliver`): every consumer of a
+  work stream already recognises a redelivered message it handled (the trainer's resolved issue indexes,
+  a rollout worker's publish keyed by group id).
+
+:class:`ResilientJetStream` applies this to a whole ``JetStreamContext`` (publish, every API request,
+direct gets, pull-consumer fetches, and so key-value reads and writes), so actors call nats-py as usual.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import (
+    ConnectionReconnectingError,
+    NoRespondersError,
+    OutboundBufferLimitError,
+    StaleConnectionError,
+)
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
+
+from miles.bus.errors import BusUnavailable, TransientBusError
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_OUTAGE_BUDGET_S = 120.0
+FIRST_BACKOFF_S = 0.05
+MAX_BACKOFF_S = 2.0
+MSG_ID_HEADER = "Nats-Msg-Id"
+# A request attempt that has not ended this long after its own timeout is abandoned and counts as timed out.
+# nats-py bounds only the wait for the reply: a publish of the request can block in its flusher across
+# quick successive reconnects, and one such attempt must not stall its caller past every outage budget.
+STUCK_ATTEMPT_MARGIN_S = 5.0
+
+# JetStream error codes that mean "not now" rather than "never" (nats-server's errors.json): the JetStream
+# system or a stream's group has no leader yet, a stream or consumer is offline while its peers catch up.
+_TRANSIENT_ERR_CODES = {
+    10008,  # JetStream system temporarily unavailable
+    10023,  # insufficient resources (a cluster short of a node: placement of a new R3 asset)
+    10039,  # JetStream not enabled for account (the server is still starting JetStream)
+    10074,  # cluster not assigned / peer not a member yet
+    10118,  # stream offline
+    10119,  # consumer offline
+}
+# Words of the descriptions nats-server gives for the same conditions (some come without an err_code).
+_TRANSIENT_WORDS = ("leader", "temporarily unavailable", "not available", "no quorum", "offline", "timeout")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for an error that a retry after a short wait can cure: the server or a stream leader is away."""
+    if isinstance(exc, TransientBusError):
+        return True
+    if isinstance(
+        exc,
+        NatsTimeoutError
+        | asyncio.TimeoutError
+        | NoRespondersError
+        | NoStreamResponseError
+        | ConnectionReconnectingError
+        | StaleConnectionError
+        | OutboundBufferLimitError,
+    ):
+        return True
+    if isinstance(exc, APIError):
+        # nats-py raises a pull fetch's 503 (a consumer whose leader moved) as a bare ServiceUnavailableError,
+        # with no code on it.
+        if isinstance(exc, ServiceUnavailableError) or exc.code in (408, 503, 504) or (exc.code or 0) >= 500:
+            return True
+        if exc.err_code in _TRANSIENT_ERR_CODES:
+            return True
+        description = (exc.description or "").lower()
+        return any(word in description for word in _TRANSIENT_WORDS)
+    return False
+
+
+def describe(exc: BaseException) -> str:
+    """One line for a log or an error message."""
+    if isinstance(exc, APIError):
+        return f"{type(exc).__name__} {exc.code} {exc.description or ''}".strip()
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+@dataclass(slots=True)
+class Outage:
+    """How long an actor waits out the bus, and when its connection went down (None: up)."""
+
+    budget_s: float = DEFAULT_OUTAGE_BUDGET_S
+    down_since: float | None = None
+    outages: int = 0  # disconnects seen
+    retries: int = 0  # requests sent again
+    unconfirmed_acks: int = 0  # acks left to redelivery
+    _logged: set[str] = field(default_factory=set)
+
+    def disconnected(self) -> None:
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+            self.outages += 1
+
+    def reconnected(self) -> None:
+        self.down_since = None
+
+    def down_for(self) -> float:
+        return 0.0 if self.down_since is None else time.monotonic() - self.down_since
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "bus_outages": float(self.outages),
+            "bus_retries": float(self.retries),
+            "bus_unconfirmed_acks": float(self.unconfirmed_acks),
+        }
+
+
+def gave_up(what: str, budget_s: float, exc: BaseException | None) -> BusUnavailable:
+    detail = f" (last error: {describe(exc)})" if exc is not None else ""
+    return BusUnavailable(f"gave up after {budget_s:g} s (bus.outage_budget_s) waiting for {what}{detail}")
+
+
+async def retrying(op: Callable[[], Awaitable[T]], *, what: str, outage: Outage) -> T:
+    """``await op()``, sent again on transient errors (backing off) for up to ``outage.budget_s`` seconds.
+
+    Raises :class:`BusUnavailable` past the budget, and any other error of ``op`` at once."""
+    first_failure: float | None = None
+    delay = FIRST_BACKOFF_S
+    last: BaseException | None = None
+    while True:
+        try:
+            result = await op()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            now = time.monotonic()
+            if first_failure is None:
+                first_failure = now
+                log.warning("bus_retrying", what=what, error=describe(exc), budget_s=outage.budget_s)
+            last = exc
+            left = outage.budget_s - (now - first_failure)
+            if left <= 0:
+                raise gave_up(what, outage.budget_s, last) from None
+            outage.retries += 1
+            await asyncio.sleep(min(delay, left) * random.uniform(0.8, 1.2))
+            delay = min(delay * 2, MAX_BACKOFF_S)
+            continue
+        if first_failure is not None:
+            log.info("bus_recovered", what=what, after_s=round(time.monotonic() - first_failure, 2))
+        return result
+
+
+async def ack_or_redeliver(msg: Msg, outage: Outage, *, timeout_s: float = 2.0) -> bool:
+    """Ack ``msg`` and wait for the server's confirmation, retrying for a few seconds; if it cannot be
+    confirmed, leave it to redelivery (logged, counted) instead of failing: whoever consumes the stream
+    recognises a message it handled already. True when the ack was confirmed."""
+    attempt_budget = Outage(budget_s=min(outage.budget_s, 3 * timeout_s))
+    try:
+        await retrying(lambda: msg.ack_sync(timeout=timeout_s), what="an ack", outage=attempt_budget)
+    except BusUnavailable as exc:
+        outage.unconfirmed_acks += 1
+        log.warning("ack_unconfirmed", subject=msg.subject, left_to="redelivery", error=str(exc))
+        return False
+    return True
+
+
+class ResilientPullSubscription:
+    """A bound pull consumer whose ``fetch`` rides out an outage: a transient error (the consumer's leader
+    moving, the server restarting) reads as "nothing yet" (``asyncio.TimeoutError``, what every fetch loop
+    already handles) until the bus has been unusable for longer than the budget."""
+
+    def __init__(self, inner: JetStreamContext.PullSubscription, outage: Outage, what: str) -> None:
+        self._inner = inner
+        self._outage = outage
+        self._what = what
+        self._failing_since: float | None = None
+        self._last: BaseException | None = None
+
+    async def fetch(self, batch: int = 1, timeout: float | None = 5) -> list[Msg]:
+        try:
+            # bounded like a request attempt (STUCK_ATTEMPT_MARGIN_S): a stuck fetch reads as "nothing yet"
+            msgs = await asyncio.wait_for(
+                self._inner.fetch(batch, timeout=timeout), (timeout or 5) + STUCK_ATTEMPT_MARGIN_S
+            )
+        except asyncio.TimeoutError:
+            # An idle consumer and a dead server look the same here: the connection's state tells them apart.
+            if self._outage.down_for() > self._outage.budget_s:
+                raise gave_up(f"{self._what} (the connection is down)", self._outage.budget_s, None) from None
+            raise
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            now = time.monotonic()
+            if self._failing_since is None:
+                self._failing_since = now
+                log.warning("bus_fetch_failing", what=self._what, error=describe(exc))
+            self._last = exc
+            if now - self._failing_since > self._outage.budget_s:
+                raise gave_up(self._what, self._outage.budget_s, exc) from None
+            self._outage.retries += 1
+            await asyncio.sleep(min(timeout or 1.0, 0.5))
+            raise asyncio.TimeoutError from None
+        if self._failing_since is not None:
+            log.info("bus_fetch_recovered", what=self._what, after_s=round(time.monotonic() - self._failing_since, 2))
+            self._failing_since = None
+        return msgs
+
+    async def unsubscribe(self) -> None:
+        await self._inner.unsubscribe()
+
+    async def consumer_info(self) -> Any:
+        return await retrying(self._inner.consumer_info, what=f"{self._what}: consumer info", outage=self._outage)
+
+
+class ResilientJetStream(JetStreamContext):
+    """A ``JetStreamContext`` whose publishes, API requests, direct gets and pull fetches are retried
+    through an outage (see the module docstring). Made by :func:`resilient_jetstream`."""
+
+    def __init__(self, nc: Client, *, outage: Outage, **opts: Any) -> None:
+        super().__init__(nc, **opts)
+        self.outage = outage
+
+    def _bounded(self, op: Callable[[], Awaitable[T]], timeout: float | None) -> Callable[[], Awaitable[T]]:
+        """``op`` as an attempt that ends (``asyncio.TimeoutError``: retried) at most a margin after ``timeout``."""
+        limit = (timeout or self._timeout) + STUCK_ATTEMPT_MARGIN_S
+        return lambda: asyncio.wait_for(op(), limit)
+
+    async def publish(  # type: ignore[override]
+        self,
+        subject: str,
+        payload: bytes = b"",
+        timeout: float | None = None,
+        stream: str | None = None,
+        headers: dict[str, Any] | None = None,
+        msg_ttl: float | None = None,
+    ) -> PubAck:
+        # A message id makes sending it again harmless: the stream stores it once (its duplicate window).
+        hdrs = dict(headers or {})
+        hdrs.setdefault(MSG_ID_HEADER, self._nc._nuid.next().decode())
+        parent = super().publish
+        return await retrying(
+            self._bounded(
+                lambda: parent(subject, payload, timeout=timeout, stream=stream, headers=dict(hdrs), msg_ttl=msg_ttl),
+                timeout,
+            ),
+            what=f"a JetStream publish on {subject}",
+            outage=self.outage,
+        )
+
+    async def _api_request(self, req_subject: str, req: bytes = b"", timeout: float = 5) -> dict[str, Any]:
+        parent = super()._api_request
+        return await retrying(
+            self._bounded(lambda: parent(req_subject, req, timeout=timeout), timeout),
+            what=f"JetStream ({req_subject})",
+            outage=self.outage,
+        )
+
+    async def get_msg(self, stream_name: str, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        parent = super().get_msg
+        return await retrying(
+            self._bounded(lambda: parent(stream_name, *args, **kwargs), None),
+            what=f"a read of stream {stream_name}",
+            outage=self.outage,
+        )
+
+    async def pull_subscribe_bind(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        inner = await super().pull_subscribe_bind(*args, **kwargs)
+        what = f"consumer {inner._consumer} of {inner._stream}"
+        return ResilientPullSubscription(inner, self.outage, what)
+
+
+def resilient_jetstream(
+    nc: Client, outage: Outage, *, timeout: float = 10.0, domain: str | None = None
+) -> ResilientJetStream:
+    """The JetStream context every actor uses (``domain``: a JetStream domain, for the API prefix)."""
+    opts: dict[str, Any] = {"timeout": timeout}
+    if domain:
+        opts["domain"] = domain
+    return ResilientJetStream(nc, outage=outage, **opts)

@@ -1,0 +1,168 @@
+"""Runs that survive the bus: the only server SIGKILLed and restarted, a cluster node lost, the controller killed.
+
+Real nats-servers, real ``miles-node`` processes, no outside supervisor: nobody restarts an actor. Each run
+must complete, and its accounting is checked from the server's own streams (issue records, step reports,
+discards, trajectories' tickets) against summary.json, metrics.jsonl and the ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from miles.bus.cluster import NatsCluster, free_port
+from miles.bus.retry import Outage, resilient_jetstream
+from miles.bus.server import EmbeddedNats
+from miles.bus.streams import ensure_run_streams
+from miles.bus.subjects import Subjects
+from miles.prepare import prepare
+from tests.integration.harness import Cluster, check_stream_accounting, read_stream_record, small_run_config
+
+pytestmark = pytest.mark.slow
+
+
+def _run(cfg_name: str, model_cache: Path, **overrides: object):  # noqa: ANN202 - a RunConfig
+    # No checkpoint before the end: nobody kills the trainer here, and checkpoints cost most of a step's CPU.
+    sets = {
+        "trainer.steps": 8,
+        "eval.every": 4,
+        "trainer.checkpoint_every": 50,
+        "bus.outage_budget_s": 60.0,
+        "monitor.plots": False,
+    }
+    sets.update(overrides)
+    cfg = small_run_config(model_cache, cfg_name, **sets)
+    prepare(cfg)
+    return cfg
+
+
+def _finish(cluster: Cluster, url: str, killed: tuple[str, ...] = (), timeout_s: float = 240) -> None:
+    """Wait for the end of the run: every actor the test did not kill exits 0 by itself."""
+    cluster.wait_for(lambda: (cluster.run_dir / "summary.json").exists(), timeout_s, "the end of the run")
+    cluster.wait_all_exit(60)
+    for name, proc in cluster.procs.items():
+        expected = -9 if name in killed else 0
+        assert proc.returncode == expected, f"{name} exited {proc.returncode}:\n{cluster.log(name)[-2000:]}"
+    record = asyncio.run(read_stream_record(url, cluster.cfg, role="controller"))
+    check_stream_accounting(cluster, record)
+
+
+def test_the_only_server_killed_and_restarted_twice(tmp_path: Path, model_cache: Path) -> None:
+    """Outages of 2 s and 15 s: every actor waits (retries within bus.outage_budget_s) and the run completes."""
+    server = EmbeddedNats(tmp_path / "bus", port=free_port())
+    server.start_sync()
+    cfg = _run("outage", model_cache)
+    cluster = Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=server.url)
+    try:
+        cluster.start_all()
+        after_steps = 2
+        for outage_s in (2.0, 15.0):
+            cluster.wait_for(lambda n=after_steps: cluster.steps_recorded() >= n, 240, f"{after_steps} steps")
+            server.kill()
+            time.sleep(outage_s)
+            server.start_sync()
+            # The next outage comes once the run has moved on again. (A second kill about 1 s after a restart
+            # has twice left the controller waiting for good: a known bug, see docs/deploy.md.)
+            after_steps = min(cluster.steps_recorded() + 2, cfg.trainer.steps - 2)
+        _finish(cluster, server.url)
+    finally:
+        cluster.stop()
+        server.stop_sync()
+    logs = "".join(cluster.log(n) for n in cluster.procs)
+    assert "nats_reconnected" in logs and "bus_retrying" in logs  # the outages were felt, and ridden out
+
+
+def test_a_cluster_node_lost_twice(tmp_path: Path, model_cache: Path) -> None:
+    """A fresh 3-node cluster with R3 streams, every actor started at once (each creates the streams on an
+    open bus); first a node no actor is connected to is killed, then the one most actors use. Each comes
+    back after a while (one node at a time: the streams keep their quorum)."""
+    nats = NatsCluster(tmp_path / "cluster").start()
+    cfg = _run("nodes", model_cache, **{"bus.replicas": 3})
+    # Actors are given nodes 0 and 1: node 2 is one they do not use (they learn of it, but stay put).
+    cluster = Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=f"{nats.node_url(0)},{nats.node_url(1)}")
+    try:
+        cluster.start_all()
+        cluster.wait_for(lambda: cluster.steps_recorded() >= 2, 240, "2 steps")
+        nats.kill(2)
+        cluster.wait_for(lambda: cluster.steps_recorded() >= 3, 240, "a step without node 2")
+        nats.restart(2)
+        used = max((0, 1), key=lambda i: nats.nodes[i].varz().get("connections", 0))
+        cluster.wait_for(lambda: cluster.steps_recorded() >= 4, 240, "4 steps")
+        nats.kill(used)
+        cluster.wait_for(lambda: cluster.steps_recorded() >= 6, 240, f"2 steps without node {used}")
+        nats.restart(used)
+        _finish(cluster, nats.url)
+    finally:
+        cluster.stop()
+        nats.stop()
+    logs = "".join(cluster.log(n) for n in cluster.procs)
+    assert "nats_reconnected" in logs  # actors on the killed node moved to the other one
+
+
+async def test_every_actor_creating_the_streams_at_once_on_a_fresh_cluster(tmp_path: Path) -> None:
+    """Eight clients run the setup at the same moment on a cluster that has just elected its leaders."""
+    with NatsCluster(tmp_path / "cluster") as nats:
+        from miles.bus.connect import connect
+
+        async def one(i: int) -> None:
+            outage = Outage(budget_s=30.0)
+            nc = await connect(nats.url, name=f"actor-{i}", outage=outage)
+            try:
+                js = resilient_jetstream(nc, outage)
+                await ensure_run_streams(js, Subjects("fresh"), replicas=3, ack_wait_s=5.0)
+            finally:
+                await nc.close()
+
+        await asyncio.gather(*(one(i) for i in range(8)))
+        nc = await connect(nats.url, name="check")
+        try:
+            info = await nc.jetstream().stream_info("fresh_TRAJ")
+            assert info.config.num_replicas == 3 and info.cluster is not None and len(info.cluster.replicas or []) == 2
+        finally:
+            await nc.close()
+
+
+def test_the_controller_killed_three_times(tmp_path: Path, model_cache: Path) -> None:
+    """Killed mid-burst (part of a batch published), then twice at random moments: each restart rebuilds its
+    state and the record from the streams. summary.json equals the streams' own count, metrics.jsonl has
+    each step once, and no group id was ever played under another sample."""
+    server = EmbeddedNats(tmp_path / "bus")
+    server.start_sync()
+    cfg = _run("ctlkill", model_cache, **{"trainer.steps": 10, "eval.every": 3})
+    cluster = Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=server.url)
+    try:
+        os.environ["MILES_FAILPOINTS"] = "issue:7"  # the 7th prompt of the first batch of 8
+        try:
+            cluster.start("controller", "controller")
+        finally:
+            os.environ.pop("MILES_FAILPOINTS", None)
+        cluster.start("rollout-0", "rollout")
+        cluster.start("rollout-1", "rollout")
+        cluster.start_trainer()
+        proc = cluster.procs["controller"]
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert proc.returncode == -9, f"the failpoint never fired:\n{cluster.log('controller')[-2000:]}"
+        for life, after_steps in enumerate((3, 6), start=1):
+            cluster.start(f"controller-{life}", "controller", "--actor-id", "controller")
+            cluster.wait_for(lambda n=after_steps: cluster.steps_recorded() >= n, 240, f"{after_steps} steps")
+            time.sleep(0.7 * life)
+            cluster.kill(f"controller-{life}")
+        cluster.start("controller-3", "controller", "--actor-id", "controller")
+        _finish(cluster, server.url, killed=("controller", "controller-1", "controller-2"))
+    finally:
+        cluster.stop()
+        server.stop_sync()
+    # The life after the mid-burst kill sent its predecessor's last batch again (the copies the server held
+    # were dropped by message id; the streams' accounting above shows none was played under another sample).
+    republished = [json.loads(line) for line in cluster.log("controller-1").splitlines() if "batch_republished" in line]
+    assert republished and republished[0]["prompts"] >= 1
+    lines = [json.loads(line) for line in (cluster.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in lines] == sorted(row["step"] for row in lines)
+    assert "controller_rebuilt" in cluster.log("controller-3")

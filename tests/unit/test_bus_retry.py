@@ -1,0 +1,139 @@
+"""The retry layer (miles/bus/retry.py): which errors are waited out, the budget, and a real server restart."""
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
+
+from miles.bus import retry
+from miles.bus.cluster import free_port
+from miles.bus.connect import close_client, connect
+from miles.bus.errors import BusUnavailable
+from miles.bus.retry import Outage, is_transient, resilient_jetstream, retrying
+from miles.bus.server import EmbeddedNats
+
+
+@pytest.mark.parametrize(
+    ("exc", "transient"),
+    [
+        (ServiceUnavailableError(), True),  # how nats-py raises a pull fetch's 503: no code at all
+        (APIError(code=503), True),
+        (APIError(code=500, err_code=10008, description="JetStream system temporarily unavailable"), True),
+        (APIError(code=503, err_code=10118, description="stream offline"), True),
+        (NoRespondersError(), True),
+        (asyncio.TimeoutError(), True),
+        (NotFoundError(code=404, err_code=10059, description="stream not found"), False),
+        (APIError(code=400, err_code=10058, description="stream name already in use"), False),
+        (PermissionError("no"), False),
+    ],
+)
+def test_what_is_waited_out(exc: BaseException, transient: bool) -> None:
+    assert is_transient(exc) is transient
+
+
+async def test_transient_failures_are_retried_until_the_call_succeeds() -> None:
+    failures = [NoRespondersError(), ServiceUnavailableError()]
+
+    async def op() -> str:
+        if failures:
+            raise failures.pop(0)
+        return "ok"
+
+    outage = Outage(budget_s=5.0)
+    assert await retrying(op, what="a test call", outage=outage) == "ok"
+    assert outage.retries == 2
+
+
+async def test_any_other_error_is_raised_at_once() -> None:
+    calls = 0
+
+    async def op() -> None:
+        nonlocal calls
+        calls += 1
+        raise NotFoundError(code=404, err_code=10059, description="stream not found")
+
+    with pytest.raises(NotFoundError):
+        await retrying(op, what="a test call", outage=Outage(budget_s=5.0))
+    assert calls == 1
+
+
+async def test_past_the_budget_one_line_says_what_was_waited_for() -> None:
+    async def op() -> None:
+        raise NoRespondersError()
+
+    with pytest.raises(BusUnavailable) as info:
+        await retrying(op, what="the prompt stream", outage=Outage(budget_s=0.3))
+    message = str(info.value)
+    assert "\n" not in message and "bus.outage_budget_s" in message and "the prompt stream" in message
+
+
+async def test_a_publish_rides_out_a_server_restart_and_is_stored_once(tmp_path: Path) -> None:
+    server = EmbeddedNats(tmp_path / "bus", port=free_port())
+    await server.start()
+    outage = Outage(budget_s=30.0)
+    nc = await connect(server.url, name="restart", outage=outage)
+    try:
+        js = resilient_jetstream(nc, outage, timeout=1.0)
+        await js.add_stream(name="R", subjects=["r.>"])
+        await js.publish("r.a", b"before", headers={"Nats-Msg-Id": "one"})
+        server.kill()
+
+        async def restart_later() -> None:
+            await asyncio.sleep(1.0)
+            await asyncio.to_thread(server.start_sync)
+
+        restarting = asyncio.create_task(restart_later())
+        ack = await js.publish("r.a", b"during", headers={"Nats-Msg-Id": "two"})  # sent while the server is down
+        await restarting
+        again = await js.publish("r.a", b"during", headers={"Nats-Msg-Id": "two"})  # a repeat: stored once
+        assert again.duplicate and again.seq == ack.seq
+        info = await js.stream_info("R")
+        assert info.state.messages == 2 and outage.outages >= 1
+    finally:
+        await nc.close()
+        server.stop_sync()
+
+
+async def test_a_server_that_stays_away_ends_the_call_past_the_budget(tmp_path: Path) -> None:
+    server = EmbeddedNats(tmp_path / "bus", port=free_port())
+    await server.start()
+    outage = Outage(budget_s=1.0)
+    nc = await connect(server.url, name="gone", outage=outage)
+    try:
+        js = resilient_jetstream(nc, outage, timeout=0.3)
+        await js.add_stream(name="G", subjects=["g.>"])
+        server.kill()
+        with pytest.raises(BusUnavailable, match="a JetStream publish on g.a"):
+            await js.publish("g.a", b"x")
+        await close_client(nc)  # with the server still away: closes without raising over the actor's error
+        assert nc.is_closed
+    finally:
+        await close_client(nc)
+        server.stop_sync()
+
+
+async def test_an_attempt_stuck_past_its_timeout_is_abandoned_and_sent_again(
+    nc: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nats-py bounds only the wait for a reply; a request stuck before it (its publish blocked in the client's
+    flusher across reconnects) must not hold its caller forever."""
+    js = resilient_jetstream(nc, Outage(budget_s=10.0), timeout=0.2)
+    await js.add_stream(name="S", subjects=["s.>"], allow_direct=True)
+    await js.publish("s.a", b"x")
+    real_get = JetStreamContext.get_msg
+    stuck = asyncio.Event()
+
+    async def first_call_hangs(self: JetStreamContext, *args: object, **kwargs: object) -> object:
+        if not stuck.is_set():
+            stuck.set()
+            await asyncio.Event().wait()  # never answers, never times out
+        return await real_get(self, *args, **kwargs)
+
+    monkeypatch.setattr(retry, "STUCK_ATTEMPT_MARGIN_S", 0.2)
+    monkeypatch.setattr(JetStreamContext, "get_msg", first_call_hangs)
+    msg = await js.get_msg("S", seq=1, direct=True)
+    assert stuck.is_set() and msg.data == b"x" and js.outage.retries == 1
