@@ -17,6 +17,7 @@ import pytest
 from miles.bus.connect import connect
 from miles.bus.schema import SCHEMA_VERSION
 from miles.bus.server import EmbeddedNats
+from miles.training.checkpoint import CheckpointManager
 
 from .harness import Cluster, check_accounting, small_run_config
 
@@ -139,7 +140,10 @@ def test_trainer_sigkill_and_restart_resumes(tmp_path: Path, server: EmbeddedNat
     cluster = _cluster(tmp_path, server, model_cache, "killt", **{"trainer.steps": steps})
     try:
         cluster.start_all(rollouts=2, ranks=1)
-        cluster.wait_for(lambda: cluster.steps_recorded() >= 3, 240, "three steps")
+        # Killed once a checkpoint is complete (saves are asynchronous: under load the step-2 one may still
+        # be on its way at step 3), so the restart resumes from it rather than replaying from step 0.
+        checkpoints = CheckpointManager(cluster.run_dir / "checkpoints", every=1, keep=1)
+        cluster.wait_for(lambda: checkpoints.latest() is not None, 240, "a complete checkpoint")
         cluster.kill("trainer-0")
         killed_at = cluster.steps_recorded()
         assert killed_at < steps, "the run ended before the trainer could be killed mid-run"
