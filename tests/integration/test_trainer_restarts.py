@@ -55,7 +55,7 @@ def test_trainer_killed_ten_times_trains_every_step_once(
     cfg = small_run_config(
         model_cache,
         "crash",
-        **{"trainer.steps": 24, "trainer.checkpoint_every": 3, "eval.every": 0, "rollout.groups_in_flight": 2},
+        **{"trainer.steps": 48, "trainer.checkpoint_every": 3, "eval.every": 0, "rollout.groups_in_flight": 2},
     )
     from miles.prepare import prepare
 
@@ -75,7 +75,9 @@ def test_trainer_killed_ten_times_trains_every_step_once(
             if failpoint is None:  # a random moment soon after this trainer's first new step
                 recorded = cluster.steps_recorded()
                 cluster.wait_for(lambda: cluster.steps_recorded() > recorded, 180, "progress")  # noqa: B023
-                time.sleep(rng.uniform(0.0, 0.2))  # a step takes tens of ms here: stay well before the end
+                # A step takes tens of ms on a quiet machine: kill within a few of them, well before the end
+                # (48 steps leave room for three random kills after the seven failpoints).
+                time.sleep(rng.uniform(0.0, 0.1))
                 if proc.poll() is None:
                     cluster.kill(name)
             else:
