@@ -83,10 +83,6 @@ class Actor(ABC):
                 await self.bus.emit(subject, self.heartbeat())
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._finished.wait(), timeout=self.cfg.bus.heartbeat_s)
-        # A last beat once the work is done: its final counts (what it refused since the previous beat) reach
-        # the controller's summary even when the actor ends within one period of its last refusal.
-        with contextlib.suppress(Exception):
-            await self.bus.emit(subject, self.heartbeat().model_copy(update={"state": "stopped"}))
 
     async def _control_loop(self) -> None:
         """Obey run-wide ``stop`` commands of this run instance (core subscription: only live actors need

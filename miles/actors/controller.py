@@ -98,7 +98,6 @@ class Controller(Actor):
         self._version_changed = asyncio.Condition()
         self.workers: dict[str, Heartbeat] = {}  # live rollout workers' latest heartbeats
         self.peers: dict[str, Heartbeat] = {}  # every other actor's latest heartbeat (their refusal counts)
-        self._heard_at: dict[str, float] = {}  # actor id -> monotonic time of its latest heartbeat
         self._wake = asyncio.Event()
         self._admit_open = asyncio.Event()  # set once the initial evaluation is in (or on a resumed run)
         self.record = RunRecord(
@@ -457,22 +456,8 @@ class Controller(Actor):
                 await self.bus.refuse(msg, f"heartbeat: {refusal}", category="untrusted")
             elif hb.role == "rollout":
                 self.workers[hb.actor_id] = hb
-                self._heard_at[hb.actor_id] = time.monotonic()
             elif hb.actor_id != self.actor_id:
                 self.peers[hb.actor_id] = hb
-                self._heard_at[hb.actor_id] = time.monotonic()
-
-    async def _heartbeats_since(self, since: float) -> None:
-        """Wait (at most three heartbeat periods) until every actor heard from so far has sent a heartbeat after
-        ``since``: the summary's refusal counts then include what each refused before the run ended."""
-        deadline = time.monotonic() + 3 * self.cfg.bus.heartbeat_s
-
-        def waiting() -> bool:
-            latest = {**self.workers, **self.peers}
-            return any(t <= since and latest[a].state != "stopped" for a, t in self._heard_at.items() if a in latest)
-
-        while time.monotonic() < deadline and waiting():
-            await asyncio.sleep(0.05)
 
     async def _heard_from(self, worker_id: str) -> None:
         """Wait (a few heartbeat periods at most) for a worker's heartbeat: after a controller start, reports
@@ -644,10 +629,8 @@ class Controller(Actor):
         if self._finishing:
             return  # a second trainer_done (a trainer restarted after its last step)
         self._finishing = True
-        finishing_at = time.monotonic()
         eval_id = await self.evals.request(trainer_done.policy_version)
         final = await self.evals.wait(eval_id, self.cfg.eval.final_timeout_s)
-        await self._heartbeats_since(finishing_at)
         if final is None:
             self.log.error(
                 "final_eval_timed_out", version=trainer_done.policy_version, after_s=self.cfg.eval.final_timeout_s
