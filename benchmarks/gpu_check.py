@@ -232,7 +232,10 @@ class HfSide:
                 sums[k] = sums.get(k, 0.0) + float(v)
         return sums
 
-    def optimizer_step(self, lr: float) -> float:
+    def optimizer_step(self, lr: float, *, skip: bool = False) -> float:
+        if skip:
+            self.opt.zero_grad(set_to_none=True)
+            return 0.0
         for group in self.opt.param_groups:
             group["lr"] = lr
         norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1e9))
@@ -311,7 +314,10 @@ class CpuMegatronSide:
                 sums[k] = sums.get(k, 0.0) + float(v)
         return sums
 
-    def optimizer_step(self, lr: float) -> float:
+    def optimizer_step(self, lr: float, *, skip: bool = False) -> float:
+        if skip:
+            self.opt.zero_grad(set_to_none=True)
+            return 0.0
         for group in self.opt.param_groups:
             group["lr"] = lr
         norm = float(torch.nn.utils.clip_grad_norm_(self.chunks[0].parameters(), 1e9))

@@ -61,6 +61,12 @@ class Objective:
         return self.distill is not None
 
     @property
+    def gradient_needs_advantage(self) -> bool:
+        """Whether the loss's gradient is exactly 0 on samples whose advantages are all 0 (no KL, entropy or
+        distillation term pulls on them)."""
+        return not (self.needs_reference or self.entropy_in_loss or self.needs_teacher)
+
+    @property
     def entropy_in_loss(self) -> bool:
         """Whether the entropy needs gradients (else it is a metric, taken from the proximal pass)."""
         return self.entropy_coef != 0

@@ -141,9 +141,10 @@ class TrainBackend(Protocol):
         normalises by global counts), so summing over ranks and micro-batches gives the batch loss."""
         ...
 
-    def optimizer_step(self, lr: float) -> float:
+    def optimizer_step(self, lr: float, *, skip: bool = False) -> float:
         """Clip the gradient to ``trainer.grad_clip``, step (skipped on a non-finite norm), zero the
-        gradients; returns the global grad norm before clipping."""
+        gradients; returns the global grad norm before clipping. With ``skip`` (decided alike on every rank)
+        the gradients are only zeroed: no step, no momentum, no weight decay; returns 0.0."""
         ...
 
     def all_reduce(self, values: list[float], op: Literal["sum", "max"] = "sum") -> list[float]:

@@ -202,8 +202,12 @@ class FsdpBackend:
                 sums[key] = sums.get(key, 0.0) + value.detach().double()  # type: ignore[assignment]
         return {key: float(value) for key, value in sums.items()}
 
-    def optimizer_step(self, lr: float) -> float:
-        """Clip, step (skipped on a non-finite norm, on every rank alike), zero the gradients. Collective."""
+    def optimizer_step(self, lr: float, *, skip: bool = False) -> float:
+        """Clip, step (skipped on a non-finite norm, on every rank alike), zero the gradients. Collective
+        unless ``skip``, which only zeroes the gradients."""
+        if skip:
+            self.optimizer.zero_grad(set_to_none=True)
+            return 0.0
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         params = [p for p in self.model.parameters() if p.requires_grad]

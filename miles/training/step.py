@@ -13,6 +13,11 @@ Given this rank's share of a rollout batch (advantages already computed), :class
 
 Several mini-batches make several optimizer steps against one proximal policy, so the PPO ratio moves
 away from 1 and its clip acts; with one mini-batch the ratio is exactly 1 at the forward.
+
+A mini-batch without signal (every advantage 0 on every rank, and no KL, entropy or distillation term) is
+scored but not stepped: its gradient is exactly 0, and an AdamW step on it would only replay the momentum of earlier
+batches (for several steps, each about ``lr`` on every weight) and decay the weights. With sparse rewards
+(a few successes per batch) that drift is what undoes learning. The learning-rate clock still advances.
 """
 
 from __future__ import annotations
@@ -30,6 +35,12 @@ from miles.training.packing import pack_micro_batches, pad_to, shard_for_data_pa
 from miles.training.teacher import TeacherScorer
 
 log = structlog.get_logger(__name__)
+
+
+def has_signal(sample: TrainSample) -> bool:
+    """Whether any of the sample's advantages is non-zero."""
+    advantage = sample.advantage
+    return any(a != 0.0 for a in advantage) if isinstance(advantage, list) else advantage != 0.0
 
 
 def split_minibatches(samples: Sequence[TrainSample], count: int) -> list[list[TrainSample]]:
@@ -83,6 +94,11 @@ class RLStep:
         """Train on this rank's part of each mini-batch (:func:`plan_batch`); one optimizer step per mini-batch.
         Every rank must pass the same number of mini-batches; every rank gets the same (global) metrics."""
         minis = [self._micro_batches(list(m)) for m in minibatches]
+        signal = [float(sum(has_signal(s) for s in m)) for m in minibatches]
+        if self.objective.gradient_needs_advantage:
+            signal = self.backend.all_reduce(signal)
+        else:
+            signal = [1.0] * len(minis)  # another term of the loss has a gradient everywhere
         flat = [mb for mini in minis for mb in mini]
         for mb, out in zip(flat, self.backend.score(flat, entropy=True), strict=True):
             mb.tensors["prox_logp"] = out.logp
@@ -103,16 +119,21 @@ class RLStep:
         totals: dict[str, float] = {}
         grad_norms: list[float] = []
         lr = 0.0
-        for mini in minis:
+        skipped_no_signal = 0
+        for mini, mini_signal in zip(minis, signal, strict=True):
+            lr = lr_at(self.cfg, self.steps_done)
+            self.steps_done += 1
             local = [sum(mb.num_tokens for mb in mini), sum(mb.num_sequences for mb in mini)]
             num_tokens, num_sequences = self.backend.all_reduce([float(x) for x in local])
             loss_fn = self.objective.loss_fn(num_tokens, num_sequences)
             sums = self.backend.forward_backward(mini, loss_fn, entropy=self.objective.entropy_in_loss)
             for key, value in sums.items():
                 totals[key] = totals.get(key, 0.0) + value
-            lr = lr_at(self.cfg, self.steps_done)
-            grad_norms.append(self.backend.optimizer_step(lr))
-            self.steps_done += 1
+            if mini_signal == 0:  # the metrics above still count; the zero gradient is dropped
+                self.backend.optimizer_step(lr, skip=True)
+                skipped_no_signal += 1
+            else:
+                grad_norms.append(self.backend.optimizer_step(lr))
 
         keys = sorted(totals)
         reduced = dict(zip(keys, self.backend.all_reduce([totals[k] for k in keys]), strict=True))
@@ -123,7 +144,8 @@ class RLStep:
             "grad_norm_max": max(finite) if finite else float("nan"),
             "skipped_steps": float(len(grad_norms) - len(finite)),
             "lr": lr,
-            "optimizer_steps": float(len(minis)),
+            "optimizer_steps": float(len(finite)),
+            "skipped_no_signal": float(skipped_no_signal),
         }
         if metrics.get("distill_kl_zero"):
             log.warning(

@@ -3,6 +3,7 @@ independence (packing, micro-batches), data-parallel equivalence, mixed precisio
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,31 @@ def test_several_minibatches_move_the_ratio_and_clip() -> None:
     (three,) = run_steps(backend, trainer_cfg(lr=5e-2, minibatches=3), 1)
     assert one["ppo_kl"] == pytest.approx(0.0, abs=1e-7) and one["clip_frac"] == 0.0
     assert three["optimizer_steps"] == 3 and abs(three["ppo_kl"]) > 1e-4 and three["clip_frac"] > 0
+
+
+def test_a_batch_without_signal_is_not_stepped() -> None:
+    """After a step with signal, a batch whose advantages are all 0 leaves every weight where it was (an AdamW
+    step on its zero gradient would replay the earlier momentum); a KL term has a gradient, so it steps."""
+    cfg = trainer_cfg(lr=1e-2)
+    backend = FsdpBackend(tiny_model(), cfg, 0, 1)
+    step = RLStep(backend, cfg, pad_id=PAD)
+    step.run(plan_batch(global_batch(0), 1, 1)[0])
+    before = {name: value.clone() for name, value in weights(backend).items()}
+    silent = [replace(s, advantage=0.0) for s in global_batch(1)]
+    metrics = step.run(plan_batch(silent, 2, 1)[0])
+    assert metrics["skipped_no_signal"] == 2 and metrics["optimizer_steps"] == 0
+    assert metrics["entropy"] > 0 and step.steps_done == 3  # scored as usual; the lr clock advances
+    for name, value in weights(backend).items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
+
+    kl = trainer_cfg(lr=1e-2, kl_coef=0.1)
+    backend = FsdpBackend(tiny_model(), kl, 0, 1)
+    step = RLStep(backend, kl, pad_id=PAD)
+    step.run(plan_batch(global_batch(0), 1, 1)[0])
+    before = {name: value.clone() for name, value in weights(backend).items()}
+    metrics = step.run(plan_batch(silent, 1, 1)[0])
+    assert metrics["skipped_no_signal"] == 0 and metrics["optimizer_steps"] == 1
+    assert any(not torch.equal(value, before[name]) for name, value in weights(backend).items())
 
 
 def test_export_params_hf_names_and_values() -> None:

@@ -289,7 +289,10 @@ class MegatronBackend:
                     sums[key] = sums.get(key, 0.0) + float(value)
         return self._from_last_stage(sums)
 
-    def optimizer_step(self, lr: float) -> float:
+    def optimizer_step(self, lr: float, *, skip: bool = False) -> float:
+        if skip:
+            self._zero_grad()
+            return 0.0
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         success, grad_norm, _ = self.optimizer.step()
