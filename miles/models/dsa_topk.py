@@ -75,7 +75,9 @@ def _stable_class(cls: type[nn.Module]) -> type[nn.Module]:
 def stabilize_dsa_topk(model: nn.Module) -> int:
     """Make every DSA indexer in ``model`` break top-k ties by position, in place; returns how many there are.
 
-    Idempotent (an indexer already switched is counted and left alone); a model without DSA is untouched.
+    Idempotent (an indexer already switched is counted and left alone); a model without DSA is untouched. A model
+    whose config has ``index_topk`` but no indexer of a known class (a transformers release that renamed them)
+    raises rather than run with the shape-dependent tie-break.
     """
     count = 0
     for module in model.modules():
@@ -84,4 +86,9 @@ def stabilize_dsa_topk(model: nn.Module) -> int:
         elif type(module).__name__ in DSA_INDEXERS:
             module.__class__ = _stable_class(type(module))
             count += 1
+    if count == 0 and getattr(getattr(model, "config", None), "index_topk", None) is not None:
+        raise RuntimeError(
+            f"{type(model).__name__} has a DSA config (index_topk) but none of the indexer classes "
+            f"{sorted(DSA_INDEXERS)}: miles/models/dsa_topk.py must learn this transformers' indexer class"
+        )
     return count

@@ -102,14 +102,25 @@ def test_stabilize_switches_every_indexer_once_and_survives_deepcopy() -> None:
     assert before.shape == reference.shape
 
 
-def test_models_without_dsa_are_untouched() -> None:
+def tiny_llama() -> torch.nn.Module:
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
     )
-    model = AutoModelForCausalLM.from_config(config)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def test_models_without_dsa_are_untouched() -> None:
+    model = tiny_llama()
     classes = [type(m) for m in model.modules()]
     assert stabilize_dsa_topk(model) == 0
     assert [type(m) for m in model.modules()] == classes
+
+
+def test_a_dsa_config_without_a_known_indexer_class_is_refused() -> None:
+    model = tiny_llama()
+    model.config.index_topk = 4  # as if transformers had renamed its indexer class
+    with pytest.raises(RuntimeError, match="index_topk.*dsa_topk.py"):
+        stabilize_dsa_topk(model)
 
 
 def test_load_policy_stabilizes_the_indexers(tmp_path: Path) -> None:
