@@ -45,6 +45,7 @@ from miles.engines.base import EngineError, Generation, SamplingParams, SparseVa
 from miles.engines.kv_cache import batching_plan
 from miles.engines.torch_loop import Request, Row, SamplingLoop
 from miles.engines.weight_slot import WeightSlot, copy_into, validate_state
+from miles.models.dsa_topk import stabilize_dsa_topk
 from miles.models.loading import to_torch_dtype
 
 log = structlog.get_logger(__name__)
@@ -119,6 +120,9 @@ class TorchEngine:
     ) -> None:
         self.cfg = cfg or TorchEngineConfig()
         self.model = model.to(device=self.cfg.device, dtype=to_torch_dtype(self.cfg.dtype)).eval()
+        # Cached decoding must select the DSA keys a full forward selects (load_policy does it too; a model
+        # built elsewhere gets it here).
+        stabilize_dsa_topk(self.model)
         self.device = torch.device(self.cfg.device)
         self.pad_token_id = int(pad_token_id)
         self._max_context = _max_context(self.model)

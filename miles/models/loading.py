@@ -95,10 +95,16 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
 def load_policy(
     model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Model (eval mode, on ``device``, in ``dtype``) and tokenizer, from local files only."""
+    """Model (eval mode, on ``device``, in ``dtype``) and tokenizer, from local files only.
+
+    DSA indexers (DeepSeek-V3.2, GLM-5.2) get a position tie-break in their top-k
+    (:mod:`miles.models.dsa_topk`), so that every process selects the same keys from the same scores."""
     from transformers import AutoModelForCausalLM
 
+    from miles.models.dsa_topk import stabilize_dsa_topk
+
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=to_torch_dtype(dtype), local_files_only=True)
+    stabilize_dsa_topk(model)
     model.to(device)
     model.eval()
     return model, load_tokenizer(model_dir)

@@ -4,10 +4,10 @@ prompts and leave at different steps must equal teacher forcing (one unpadded, u
 output, with the model's own masks) and one-request-at-a-time generation.
 
 Architectures whose caches cannot be merged (linear attention, DSA indexer keys) run the engine's fallback
-(identical prompts only, no padding); they are checked the same way, against the model's own incremental
-decoding. DeepSeek-V3.2 is the exception to teacher forcing: in transformers 5.24 its own incremental decoding
-already differs from its full forward once ``index_topk`` is below the sequence length (the sparse indexer
-picks other keys), so only the incremental reference holds there.
+(identical prompts only, no padding); they are checked the same way, and against the model's own incremental
+decoding. The DSA models (DeepSeek-V3.2, GLM-5.2) hold to teacher forcing only because the engine gives their
+indexers a position tie-break in the top-k (:mod:`miles.models.dsa_topk`): with two indexer heads many keys
+score exactly 0, and ``torch.topk`` picks different tied keys from a cached row than from a full-sequence one.
 """
 
 from __future__ import annotations
@@ -93,14 +93,26 @@ def _configs() -> dict[str, Callable[[], PretrainedConfig]]:
             **MLA,
             **{**COMMON, "num_key_value_heads": 4},
         ),
+        "glm_moe_dsa": lambda: t.GlmMoeDsaConfig(
+            intermediate_size=64,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            index_n_heads=2,
+            index_head_dim=16,
+            index_topk=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            **MOE,
+            **MLA,
+            **{**COMMON, "num_key_value_heads": 4},
+        ),
     }
 
 
 CONFIGS = _configs()
 one_thread = pytest.fixture(single_intra_op_thread, name="one_thread", autouse=True, scope="module")
 CONTINUOUS = ["llama", "qwen3", "qwen3_moe", "gemma3", "gpt_oss", "deepseek_v3"]
-FALLBACK = ["qwen3_next", "deepseek_v32"]
-INCREMENTAL_ONLY = {"deepseek_v32"}  # its cached decoding is not its full forward (module docstring)
+FALLBACK = ["qwen3_next", "deepseek_v32", "glm_moe_dsa"]
 
 
 def build(name: str, **overrides: object) -> torch.nn.Module:
@@ -168,10 +180,9 @@ async def test_greedy_batched_generation_matches_teacher_forcing(name: str) -> N
         assert gen.prompt_ids == prompt and len(gen.output_ids) == params.max_new_tokens
         assert gen.output_ids == ref.output_ids == incremental_greedy(model, prompt, params.max_new_tokens)
         assert gen.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
-        if name not in INCREMENTAL_ONLY:
-            tokens, logprobs = teacher_forced(model, gen)
-            assert gen.output_ids == tokens
-            assert gen.logprobs == pytest.approx(logprobs, abs=1e-4)
+        tokens, logprobs = teacher_forced(model, gen)
+        assert gen.output_ids == tokens
+        assert gen.logprobs == pytest.approx(logprobs, abs=1e-4)
 
 
 @pytest.mark.parametrize("name", ["gemma3", "gpt_oss"])
