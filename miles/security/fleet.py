@@ -94,6 +94,11 @@ def render_leaf_config(
     permissions = with_js_domain(role_permissions(run, "rollout"), hub_domain).as_config()
     user = json.dumps({"nkey": rollout_public_key, "permissions": permissions})
     q = json.dumps
+    hub_urls = [u.strip() for u in hub_url.split(",")]
+    if not all(hub_urls):
+        raise ValueError(f"hub URL list {hub_url!r} has an empty entry")
+    # Several URLs (every node of a hub cluster): the leaf dials another when its node goes away.
+    where = f"url: {q(hub_urls[0])}" if len(hub_urls) == 1 else f"urls: {json.dumps(hub_urls)}"
     remote_tls = (
         f"tls: {{ cert_file: {q(str(fleet_dir / 'link-cert.pem'))}, key_file: {q(str(fleet_dir / 'link-key.pem'))}, "
         f"ca_file: {q(str(fleet_dir / 'ca.pem'))} }}"
@@ -111,7 +116,7 @@ def render_leaf_config(
         render_tls_block(fleet_dir / "server-cert.pem", fleet_dir / "server-key.pem", fleet_dir / "ca.pem").rstrip(),
         "leafnodes {",
         "  remotes: [",
-        f"    {{ url: {q(hub_url)}, account: {q(account)}, nkey: {q(link_seed)}, {remote_tls} }}",
+        f"    {{ {where}, account: {q(account)}, nkey: {q(link_seed)}, {remote_tls} }}",
         "  ]",
         "}",
         "",
