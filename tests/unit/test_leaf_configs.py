@@ -53,3 +53,11 @@ def test_heartbeat_readers_subscribe_once_per_role() -> None:
     subjects = Subjects("r").heartbeats(ROLES)
     assert "r.hb.rollout.*" in subjects and len(subjects) == len(ROLES)
     assert "r.hb.*.*" not in subjects  # a hub would send a fleet's leaf node no interest in it
+
+
+def test_miles_creds_refuses_an_empty_hub_url_entry_before_writing_anything(tmp_path: Path) -> None:
+    from miles.security.cli import main_creds
+
+    out = tmp_path / "auth"
+    assert main_creds(["--run", "r", "--out", str(out), "--fleet", "cloud", "--hub-url", "tls://a:7422,"]) == 2
+    assert not out.exists()
