@@ -446,7 +446,14 @@ class Controller(Actor):
     # ------------------------------------------------------------------ inputs
 
     async def _follow_heartbeats(self, done: asyncio.Event) -> None:
-        sub = await self.bus.nc.subscribe(self.bus.subjects.heartbeat("*", "*"))
+        # one subscription per role: a remote fleet's heartbeats cross a leaf link only so (Subjects.heartbeats)
+        subjects = self.bus.subjects.heartbeats(trust.ROLES)
+        subs = [await self.bus.nc.subscribe(subject) for subject in subjects]
+        async with asyncio.TaskGroup() as tg:
+            for subject, sub in zip(subjects, subs, strict=True):
+                tg.create_task(self._follow_heartbeat_subscription(sub, done), name=f"controller.{subject}")
+
+    async def _follow_heartbeat_subscription(self, sub: Any, done: asyncio.Event) -> None:
         async for msg in messages_until(sub, done):
             hb = await self.bus.accept(msg, Heartbeat)
             if hb is None:

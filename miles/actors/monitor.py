@@ -71,6 +71,7 @@ from typing import Any
 import nats.errors
 from nats.aio.msg import Msg
 
+from miles.actors import trust
 from miles.actors.base import Actor
 from miles.bus.errors import BusError
 from miles.bus.follow import follow, last_message
@@ -211,7 +212,11 @@ class Monitor(Actor):
     async def main(self) -> None:
         refresh = self.cfg.monitor.refresh_s
         self._start_exporter()
-        hb_sub = await self.bus.nc.subscribe(self.bus.subjects.heartbeat("*", "*"), cb=self._on_heartbeat)
+        # one subscription per role: a remote fleet's heartbeats cross a leaf link only so (Subjects.heartbeats)
+        hb_subs = [
+            await self.bus.nc.subscribe(subject, cb=self._on_heartbeat)
+            for subject in self.bus.subjects.heartbeats(trust.ROLES)
+        ]
         replay_to = await self._metrics_last_seq()
         weights_to = await self._weights_last_seq()
         readers = [
@@ -230,8 +235,9 @@ class Monitor(Actor):
             else:
                 await self._run_live(refresh)
         finally:
-            with contextlib.suppress(nats.errors.Error):
-                await hb_sub.unsubscribe()
+            for hb_sub in hb_subs:
+                with contextlib.suppress(nats.errors.Error):
+                    await hb_sub.unsubscribe()
             for reader in readers:
                 if reader.done():
                     reader.result()  # a reader that failed fails the monitor

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -51,6 +52,13 @@ class Subjects:
     def heartbeat(self, role: str = "*", actor_id: str = "*") -> str:
         """Core-NATS (not persisted) liveness subject; the defaults give the wildcard."""
         return f"{self.run}.hb.{role}.{actor_id}"
+
+    def heartbeats(self, roles: Iterable[str]) -> list[str]:
+        """One wildcard per role (``<run>.hb.<role>.*``) for a reader of every actor's heartbeat. Not the
+        single ``<run>.hb.*.*``: a hub sends a leaf node interest only in subjects the leaf's link may
+        publish, and a fleet's link may publish ``<run>.hb.rollout.*`` only, so a ``*.*`` subscription on
+        the hub never hears a remote worker (tests/integration/test_bus_leaf.py)."""
+        return [self.heartbeat(role, "*") for role in roles]
 
     @property
     def step(self) -> str:

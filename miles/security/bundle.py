@@ -39,7 +39,14 @@ from typing import Any
 
 import structlog
 
-from miles.security.fleet import DEFAULT_HUB_DOMAIN, DEFAULT_LEAF_LISTEN, Fleet, render_hub_leafnodes, write_fleet
+from miles.security.fleet import (
+    DEFAULT_HUB_DOMAIN,
+    DEFAULT_LEAF_LISTEN,
+    Fleet,
+    render_hub_leafnodes,
+    split_hub_urls,
+    write_fleet,
+)
 from miles.security.identities import Identity, account_name, generate_identities, render_account, render_accounts
 from miles.security.nkey import KeyPair, NkeyError
 from miles.security.permissions import ROLES, Role, check_run_name, inbox_prefix
@@ -114,6 +121,11 @@ def write_bundle(
         raise CredentialsError("certificate validity must be at least one day")
     if len(set(fleets)) != len(fleets):
         raise CredentialsError("fleet names must be distinct")
+    if fleets:
+        try:
+            split_hub_urls(hub_url)
+        except ValueError as exc:
+            raise CredentialsError(f"--hub-url: {exc}") from None
     # Everything is made before anything is written: bad input leaves no half bundle behind.
     ca = _existing_ca(Path(ca_dir)) if ca_dir is not None else make_ca(run, days)
     server = make_server_cert(ca, run, hostnames, days)

@@ -59,7 +59,11 @@ def build_parser(prog: str = "miles creds") -> argparse.ArgumentParser:
         metavar="NAME",
         help="A remote rollout fleet joining through a leaf node (repeatable): writes fleets/NAME/leafnode.conf.",
     )
-    p.add_argument("--hub-url", default="tls://HUB-HOST:7422", help="Leaf URL of the hub, for the fleets' configs.")
+    p.add_argument(
+        "--hub-url",
+        default="tls://HUB-HOST:7422",
+        help="Leaf URL of the hub for the fleets' configs; a cluster's nodes comma-separated.",
+    )
     p.add_argument("--hub-domain", default=DEFAULT_HUB_DOMAIN, help="JetStream domain the hub runs (with --fleet).")
     p.add_argument("--leaf-listen", default=DEFAULT_LEAF_LISTEN, help="Where the hub listens for leaf nodes.")
     p.add_argument(

@@ -70,6 +70,14 @@ class Fleet:
         )
 
 
+def split_hub_urls(hub_url: str) -> list[str]:
+    """The hub's leaf URLs, comma-separated (a cluster's nodes); ValueError for an empty entry."""
+    urls = [u.strip() for u in hub_url.split(",")]
+    if not all(urls):
+        raise ValueError(f"hub URL list {hub_url!r} has an empty entry")
+    return urls
+
+
 def render_hub_leafnodes(cert_file: Path, key_file: Path, ca_file: Path, listen: str = DEFAULT_LEAF_LISTEN) -> str:
     """The hub's ``leafnodes { }`` block: where fleets dial in, with mutual TLS against the run's CA.
     Leaf links log in as users of the run's account (the fleets' link users)."""
@@ -94,6 +102,9 @@ def render_leaf_config(
     permissions = with_js_domain(role_permissions(run, "rollout"), hub_domain).as_config()
     user = json.dumps({"nkey": rollout_public_key, "permissions": permissions})
     q = json.dumps
+    hub_urls = split_hub_urls(hub_url)
+    # Several URLs (every node of a hub cluster): the leaf dials another when its node goes away.
+    where = f"url: {q(hub_urls[0])}" if len(hub_urls) == 1 else f"urls: {json.dumps(hub_urls)}"
     remote_tls = (
         f"tls: {{ cert_file: {q(str(fleet_dir / 'link-cert.pem'))}, key_file: {q(str(fleet_dir / 'link-key.pem'))}, "
         f"ca_file: {q(str(fleet_dir / 'ca.pem'))} }}"
@@ -111,7 +122,7 @@ def render_leaf_config(
         render_tls_block(fleet_dir / "server-cert.pem", fleet_dir / "server-key.pem", fleet_dir / "ca.pem").rstrip(),
         "leafnodes {",
         "  remotes: [",
-        f"    {{ url: {q(hub_url)}, account: {q(account)}, nkey: {q(link_seed)}, {remote_tls} }}",
+        f"    {{ {where}, account: {q(account)}, nkey: {q(link_seed)}, {remote_tls} }}",
         "  ]",
         "}",
         "",

@@ -63,9 +63,11 @@ class Cluster:
         self.config_path.write_text(dump_config(self.cfg))
         self.master_port = free_port()
 
-    def start(self, name: str, role: str, *extra: str) -> subprocess.Popen:
+    def start(self, name: str, role: str, *extra: str, nats_url: str | None = None) -> subprocess.Popen:
+        """``nats_url``: another server than the run's (e.g. a remote fleet's leaf node)."""
         log = open(self.run_dir / f"{name}.log", "ab")
-        cmd = node_command(role, self.config_path, self.run_dir, self.nats_url, "--actor-id", name, *extra)
+        url = nats_url or self.nats_url
+        cmd = node_command(role, self.config_path, self.run_dir, url, "--actor-id", name, *extra)
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
