@@ -93,6 +93,15 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", default=None, help="Rows to run (default: all).")
     parser.add_argument("--runs", default="runs/bench-algorithms", help="Where the run directories go.")
     parser.add_argument("--out", default=None, help="Write the rows as JSON here.")
+    parser.add_argument(
+        "--set",
+        dest="extra",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="An extra override applied to every row run, after the row's own (repeatable), e.g. to try a "
+        "row at another learning rate: --only cispo --set trainer.lr=2e-4.",
+    )
     args = parser.parse_args()
     names = args.only or list(ROWS)
     unknown = [n for n in names if n not in ROWS]
@@ -102,10 +111,11 @@ def main() -> int:
     rows = []
     for name in names:
         label, sets = ROWS[name]
-        row = _run(name, sets, args.steps, out_dir) | {"label": label}
+        row = _run(name, [*sets, *args.extra], args.steps, out_dir) | {"label": label}
         rows.append(row)
         print(f"{name}: {row['eval_before']:.3f} -> {row['eval_after']:.3f} ({row['wall_s']} s)", file=sys.stderr)
-    print(f"\nquickstart, {args.steps} steps x 32 groups x 8 samples each; eval: 200 held-out problems, greedy\n")
+    extra = f"; every row with --set {' --set '.join(args.extra)}" if args.extra else ""
+    print(f"\nquickstart, {args.steps} steps x 32 groups x 8 samples; eval: 200 held-out problems, greedy{extra}\n")
     print("| algorithm | eval before -> after | gain | SE | clip_frac (mean) | length (last 20) | filtered | wall s |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -116,7 +126,8 @@ def main() -> int:
         )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"steps": args.steps, "rows": rows}, indent=2) + "\n")
+        record = {"steps": args.steps, "extra_sets": args.extra, "rows": rows}
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     return 0
 
 

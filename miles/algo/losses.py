@@ -47,14 +47,19 @@ def ppo_surrogate(log_ratio: Tensor, adv: Tensor, clip_low: float, clip_high: fl
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-def cispo_surrogate(log_ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> tuple[Tensor, Tensor]:
+def cispo_surrogate(
+    log_ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float, ratio_cap: float | None = None
+) -> tuple[Tensor, Tensor]:
     """CISPO per token (MiniMax-M1, eq. 4): ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log pi_theta``.
 
     Written as ``-sg(w) * A * r / sg(r)``: the same gradient, ``-w A grad log pi_theta``, with the value
     ``-w A`` (comparable with PPO's ``-A r``). Unlike PPO no token loses its gradient; the clip only bounds the
-    weight. Returns the term and where the weight was clipped."""
+    weight. A ``ratio_cap`` (the ``behaviour_ratio`` correction's truncation) lowers the weight's upper bound
+    to ``min(1 + clip_high, ratio_cap)``; it must not cut the gradient as it does in PPO's ratio. Returns the
+    term and where the weight was clipped."""
     ratio = torch.exp(log_ratio)  # (B, T)
-    weight = torch.clamp(ratio.detach(), 1.0 - clip_low, 1.0 + clip_high)
+    upper = 1.0 + clip_high if ratio_cap is None else min(1.0 + clip_high, ratio_cap)
+    weight = torch.clamp(ratio.detach(), 1.0 - clip_low, upper)
     return -adv * weight * (ratio / ratio.detach()), weight != ratio.detach()
 
 
@@ -161,8 +166,8 @@ def policy_loss(
         capped = torch.clamp(log_ratio, max=cap)
     if surrogate == "ppo_clip":
         pg, clipped = ppo_surrogate(capped, adv, clip_low, clip_high)
-    elif surrogate == "cispo":
-        pg, clipped = cispo_surrogate(capped, adv, clip_low, clip_high)
+    elif surrogate == "cispo":  # the cap bounds CISPO's weight, never its gradient
+        pg, clipped = cispo_surrogate(log_ratio, adv, clip_low, clip_high, ratio_cap)
     else:
         pg, clipped = gspo_surrogate(capped, adv.expand_as(log_ratio), mask, seqs, clip_low, clip_high)
     if token_weights is not None:

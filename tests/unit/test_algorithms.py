@@ -108,6 +108,54 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens() -> None:
     assert cispo_grad.item() == pytest.approx(-1.28)
 
 
+def _hand_batch(ratios, k, advantages, base="prox"):  # type: ignore[no-untyped-def]
+    """Samples whose log-probs give exactly these per-token ratios ``r`` (current / ratio base) and proximal /
+    behaviour ratios ``k``; the current log-probs are the leaves."""
+    from miles.backends.base import TrainSample
+
+    samples, prox, current = [], [], []
+    for i, (rs, ks, adv) in enumerate(zip(ratios, k, advantages, strict=True)):
+        p = torch.tensor([-0.5 - 0.25 * (i + t) for t in range(len(rs))], dtype=F64)  # any proximal log-probs
+        mu = p - torch.log(torch.tensor(ks, dtype=F64))  # travels as float32: k is exact to ~1e-7
+        anchor = p if base == "prox" else mu
+        samples.append(TrainSample([1, 1], [2] * len(rs), [1] * len(rs), mu.tolist(), advantage=adv))
+        prox.append(p)
+        current.append((anchor + torch.log(torch.tensor(rs, dtype=F64))).requires_grad_(True))
+    return samples, prox, current
+
+
+def test_cispo_gradient_by_hand_with_the_default_correction() -> None:
+    """Hand-computed: d loss / d log pi_t = -clip(r_t, 0, 5) * A * min(k_t, 2) / N for every token, through the
+    trainer's path (default correction decoupled_ppo, packed rows), including the tokens PPO would drop."""
+    ratios = [[0.5, 1.0, 7.0], [0.25, 2.0]]  # 7.0: above the cap 5; 0.25 with A < 0: PPO drops it (r < 0.8)
+    k = [[1.0, 3.0, 0.5], [1.0, 1.0]]  # 3.0: truncated to 2 by decoupled_ppo
+    samples, prox, current = _hand_batch(ratios, k, [1.5, -0.5])
+    loss, metrics = _packed_loss(AlgoConfig(loss="cispo"), samples, prox, current)
+    grads = torch.autograd.grad(loss, current)
+    # -w A k / N with N = 5: (-0.5*1.5*1, -1*1.5*2, -5*1.5*0.5) / 5 and (-0.25*-0.5*1, -2*-0.5*1) / 5
+    torch.testing.assert_close(grads[0], torch.tensor([-0.15, -0.6, -0.75], dtype=F64), rtol=0, atol=1e-7)
+    torch.testing.assert_close(grads[1], torch.tensor([0.025, 0.2], dtype=F64), rtol=0, atol=1e-7)
+    assert loss.item() == pytest.approx(-0.15 - 0.6 - 0.75 + 0.025 + 0.2)  # the value -w A k / N, summed
+    assert metrics["clip_frac"].item() == pytest.approx(1 / 5)  # only the weight of r = 7 hit the cap
+    # PPO-clip on the same tokens: no gradient where r = 7 (A > 0) and r = 0.25 (A < 0) left the trust region.
+    ppo, _ = _packed_loss(AlgoConfig(), samples, prox, current)
+    ppo_grads = torch.autograd.grad(ppo, current)
+    assert ppo_grads[0][2].item() == 0.0 and ppo_grads[1][0].item() == 0.0
+
+
+def test_cispo_ratio_cap_bounds_the_weight_not_the_gradient() -> None:
+    """With ``behaviour_ratio`` the ratio is pi_theta / mu, capped at 2: CISPO's weight is min(r, 2) and every
+    token keeps its gradient (PPO-clip's truncated tokens get none): -min(r, 2) * A / N by hand."""
+    ratios = [[3.0, 1.5], [0.5]]
+    samples, prox, current = _hand_batch(ratios, [[1.0, 1.0], [1.0]], [1.0, -2.0], base="behaviour")
+    algo = AlgoConfig(loss="cispo", off_policy={"type": "behaviour_ratio", "cap": 2.0})
+    loss, metrics = _packed_loss(algo, samples, prox, current)
+    grads = torch.autograd.grad(loss, current)
+    torch.testing.assert_close(grads[0], torch.tensor([-2.0 / 3, -0.5], dtype=F64), rtol=0, atol=1e-7)
+    torch.testing.assert_close(grads[1], torch.tensor([1.0 / 3], dtype=F64), rtol=0, atol=1e-7)
+    assert metrics["clip_frac"].item() == pytest.approx(1 / 3)
+
+
 # --------------------------------------------------------------------------- Dr. GRPO and DAPO
 
 
