@@ -54,7 +54,15 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         "REINFORCE++-baseline (group mean, batch whitening)",
         [*MB, "trainer.algo.advantage=reinforce_pp_baseline"],
     ),
-    "cispo": ("CISPO (clipped IS weight, weight <= 5)", [*MB, "trainer.algo.loss=cispo"]),
+    "cispo": ("CISPO (IS weight <= 5, lower trust-region mask 0.2: the defaults)", [*MB, "trainer.algo.loss=cispo"]),
+    "cispo_paper": (
+        "CISPO, the paper's form (no mask)",
+        [*MB, "trainer.algo.loss=cispo", "trainer.algo.loss.mask_low=null"],
+    ),
+    "cispo_paper_lr": (
+        "CISPO, the paper's form, half the learning rate (2.5e-4)",
+        [*MB, "trainer.algo.loss=cispo", "trainer.algo.loss.mask_low=null", "trainer.lr=2.5e-4"],
+    ),
 }
 
 
@@ -71,7 +79,11 @@ def _run(name: str, sets: list[str], steps: int, out_dir: Path) -> dict[str, Any
     summary = json.loads((run_dir / "summary.json").read_text())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = metrics[-20:]
-    before, after = summary["eval_before"], summary["eval_after"]
+    # The final evaluation from the run's own log: summary.json has been seen naming the one before it.
+    evals = {e["step"]: e["eval_accuracy"] for e in map(json.loads, (run_dir / "evals.jsonl").read_text().splitlines())}
+    if steps not in evals:
+        raise SystemExit(f"{name}: no evaluation at step {steps} in {run_dir / 'evals.jsonl'}")
+    before, after = evals[0], evals[steps]
     return {
         "name": name,
         "command": " ".join(cmd[2:]),

@@ -81,8 +81,8 @@ def _cispo_paper(logp, old, adv, mask, eps_low, eps_high):  # type: ignore[no-un
 @pytest.mark.parametrize(("clip_low", "clip_high"), [(1.0, 4.0), (0.2, 0.28)])
 def test_cispo_gradient_is_the_papers(clip_low: float, clip_high: float) -> None:
     samples, prox, current, logp, old, mask, adv = _on_policy_batch(seed=7)
-    algo = AlgoConfig(off_policy="none", loss={"type": "cispo", "clip_low": clip_low, "clip_high": clip_high})
-    ours, metrics = _packed_loss(algo, samples, prox, current)
+    loss = {"type": "cispo", "clip_low": clip_low, "clip_high": clip_high, "mask_low": None}  # eq. 4, no mask
+    ours, metrics = _packed_loss(AlgoConfig(off_policy="none", loss=loss), samples, prox, current)
     paper = _cispo_paper(logp, old, adv, mask, clip_low, clip_high)
     for a, b in zip(torch.autograd.grad(ours, current, retain_graph=True), torch.autograd.grad(paper, current)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
@@ -130,7 +130,8 @@ def test_cispo_gradient_by_hand_with_the_default_correction() -> None:
     ratios = [[0.5, 1.0, 7.0], [0.25, 2.0]]  # 7.0: above the cap 5; 0.25 with A < 0: PPO drops it (r < 0.8)
     k = [[1.0, 3.0, 0.5], [1.0, 1.0]]  # 3.0: truncated to 2 by decoupled_ppo
     samples, prox, current = _hand_batch(ratios, k, [1.5, -0.5])
-    loss, metrics = _packed_loss(AlgoConfig(loss="cispo"), samples, prox, current)
+    paper = AlgoConfig(loss={"type": "cispo", "mask_low": None})  # eq. 4: no trust-region mask
+    loss, metrics = _packed_loss(paper, samples, prox, current)
     grads = torch.autograd.grad(loss, current)
     # -w A k / N with N = 5: (-0.5*1.5*1, -1*1.5*2, -5*1.5*0.5) / 5 and (-0.25*-0.5*1, -2*-0.5*1) / 5
     torch.testing.assert_close(grads[0], torch.tensor([-0.15, -0.6, -0.75], dtype=F64), rtol=0, atol=1e-7)
@@ -143,16 +144,33 @@ def test_cispo_gradient_by_hand_with_the_default_correction() -> None:
     assert ppo_grads[0][2].item() == 0.0 and ppo_grads[1][0].item() == 0.0
 
 
+def test_cispo_trust_region_mask_drops_only_its_side() -> None:
+    """MiniMax-M1 eq. 7's mask: with mask_low 0.2 (the default) the A < 0 token at r = 0.25 loses its gradient;
+    with mask_high 0.28 (and no mask_low) the A > 0 token at r = 7 does; every other token keeps
+    -clip(r, 0, 5) * A * min(k, 2) / N."""
+    ratios = [[0.5, 1.0, 7.0], [0.25, 2.0]]
+    samples, prox, current = _hand_batch(ratios, [[1.0, 3.0, 0.5], [1.0, 1.0]], [1.5, -0.5])
+    full = ([-0.15, -0.6, -0.75], [0.025, 0.2])
+    for mask, dropped in [({}, (1, 0)), ({"mask_low": None, "mask_high": 0.28}, (0, 2))]:
+        loss, metrics = _packed_loss(AlgoConfig(loss={"type": "cispo", **mask}), samples, prox, current)
+        expected = [torch.tensor(g, dtype=F64) for g in full]
+        expected[dropped[0]][dropped[1]] = 0.0
+        for got, want in zip(torch.autograd.grad(loss, current), expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
+        capped_or_masked = 1 if "mask_high" in mask else 2  # r = 7 is capped either way
+        assert metrics["clip_frac"].item() == pytest.approx(capped_or_masked / 5)
+
+
 def test_cispo_ratio_cap_bounds_the_weight_not_the_gradient() -> None:
     """With ``behaviour_ratio`` the ratio is pi_theta / mu, capped at 2: CISPO's weight is min(r, 2) and every
     token keeps its gradient (PPO-clip's truncated tokens get none): -min(r, 2) * A / N by hand."""
-    ratios = [[3.0, 1.5], [0.5]]
+    ratios = [[3.0, 1.5], [0.9]]  # 0.9 with A < 0: inside the default lower mask
     samples, prox, current = _hand_batch(ratios, [[1.0, 1.0], [1.0]], [1.0, -2.0], base="behaviour")
     algo = AlgoConfig(loss="cispo", off_policy={"type": "behaviour_ratio", "cap": 2.0})
     loss, metrics = _packed_loss(algo, samples, prox, current)
     grads = torch.autograd.grad(loss, current)
     torch.testing.assert_close(grads[0], torch.tensor([-2.0 / 3, -0.5], dtype=F64), rtol=0, atol=1e-7)
-    torch.testing.assert_close(grads[1], torch.tensor([1.0 / 3], dtype=F64), rtol=0, atol=1e-7)
+    torch.testing.assert_close(grads[1], torch.tensor([0.6], dtype=F64), rtol=0, atol=1e-7)
     assert metrics["clip_frac"].item() == pytest.approx(1 / 3)
 
 
