@@ -6,12 +6,16 @@ Quick check (every row, 5 steps each):
 
     python benchmarks/algorithms.py --steps 5 --out /tmp/algos.json
 
+A few rows, with an extra override on each (CISPO's rows, issue 12):
+
+    python benchmarks/algorithms.py --only cispo cispo_paper --set trainer.lr=2.5e-4 --runs runs/bench-cispo
+
 Runs ``miles run recipes/quickstart.yaml --set trainer.steps=<steps> --set ...`` once per row, one at a time
 (never concurrently), same seed, same prompts, same budget (``steps x groups_per_step x group_size``
 trained samples; DAPO's filtered groups are extra generation, not extra training). Each row changes only
 the ``trainer.algo`` keys it names (docs/algorithms.md); rows other than the first take several optimizer
 steps per rollout batch (``minibatches``), so that the ratio and its clip act. From each run's record:
-held-out greedy accuracy before and after (200 problems; binomial standard error printed), mean
+held-out greedy accuracy before and after (200 problems, from ``evals.jsonl``; binomial standard error printed), mean
 ``clip_frac`` over the steps, the mean completion length of the last 20 steps, groups filtered, wall time.
 """
 
