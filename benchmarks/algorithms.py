@@ -6,12 +6,16 @@ Quick check (every row, 5 steps each):
 
     python benchmarks/algorithms.py --steps 5 --out /tmp/algos.json
 
+A few rows, with an extra override on each (CISPO's rows, issue 12):
+
+    python benchmarks/algorithms.py --only cispo cispo_paper --set trainer.lr=2.5e-4 --runs runs/bench-cispo
+
 Runs ``miles run recipes/quickstart.yaml --set trainer.steps=<steps> --set ...`` once per row, one at a time
 (never concurrently), same seed, same prompts, same budget (``steps x groups_per_step x group_size``
 trained samples; DAPO's filtered groups are extra generation, not extra training). Each row changes only
 the ``trainer.algo`` keys it names (docs/algorithms.md); rows other than the first take several optimizer
 steps per rollout batch (``minibatches``), so that the ratio and its clip act. From each run's record:
-held-out greedy accuracy before and after (200 problems; binomial standard error printed), mean
+held-out greedy accuracy before and after (200 problems, from ``evals.jsonl``; binomial standard error printed), mean
 ``clip_frac`` over the steps, the mean completion length of the last 20 steps, groups filtered, wall time.
 """
 
@@ -54,7 +58,15 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         "REINFORCE++-baseline (group mean, batch whitening)",
         [*MB, "trainer.algo.advantage=reinforce_pp_baseline"],
     ),
-    "cispo": ("CISPO (clipped IS weight, weight <= 5)", [*MB, "trainer.algo.loss=cispo"]),
+    "cispo": ("CISPO (IS weight <= 5, lower trust-region mask 0.2: the defaults)", [*MB, "trainer.algo.loss=cispo"]),
+    "cispo_paper": (
+        "CISPO, the paper's form (no mask)",
+        [*MB, "trainer.algo.loss=cispo", "trainer.algo.loss.mask_low=null"],
+    ),
+    "cispo_paper_lr": (
+        "CISPO, the paper's form, half the learning rate (2.5e-4)",
+        [*MB, "trainer.algo.loss=cispo", "trainer.algo.loss.mask_low=null", "trainer.lr=2.5e-4"],
+    ),
 }
 
 
@@ -71,7 +83,11 @@ def _run(name: str, sets: list[str], steps: int, out_dir: Path) -> dict[str, Any
     summary = json.loads((run_dir / "summary.json").read_text())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = metrics[-20:]
-    before, after = summary["eval_before"], summary["eval_after"]
+    # The final evaluation from the run's own log: summary.json has been seen naming the one before it.
+    evals = {e["step"]: e["eval_accuracy"] for e in map(json.loads, (run_dir / "evals.jsonl").read_text().splitlines())}
+    if steps not in evals:
+        raise SystemExit(f"{name}: no evaluation at step {steps} in {run_dir / 'evals.jsonl'}")
+    before, after = evals[0], evals[steps]
     return {
         "name": name,
         "command": " ".join(cmd[2:]),
@@ -93,6 +109,15 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", default=None, help="Rows to run (default: all).")
     parser.add_argument("--runs", default="runs/bench-algorithms", help="Where the run directories go.")
     parser.add_argument("--out", default=None, help="Write the rows as JSON here.")
+    parser.add_argument(
+        "--set",
+        dest="extra",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="An extra override applied to every row run, after the row's own (repeatable), e.g. to try a "
+        "row at another learning rate: --only cispo --set trainer.lr=2e-4.",
+    )
     args = parser.parse_args()
     names = args.only or list(ROWS)
     unknown = [n for n in names if n not in ROWS]
@@ -102,10 +127,11 @@ def main() -> int:
     rows = []
     for name in names:
         label, sets = ROWS[name]
-        row = _run(name, sets, args.steps, out_dir) | {"label": label}
+        row = _run(name, [*sets, *args.extra], args.steps, out_dir) | {"label": label}
         rows.append(row)
         print(f"{name}: {row['eval_before']:.3f} -> {row['eval_after']:.3f} ({row['wall_s']} s)", file=sys.stderr)
-    print(f"\nquickstart, {args.steps} steps x 32 groups x 8 samples each; eval: 200 held-out problems, greedy\n")
+    extra = f"; every row with --set {' --set '.join(args.extra)}" if args.extra else ""
+    print(f"\nquickstart, {args.steps} steps x 32 groups x 8 samples; eval: 200 held-out problems, greedy{extra}\n")
     print("| algorithm | eval before -> after | gain | SE | clip_frac (mean) | length (last 20) | filtered | wall s |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -116,7 +142,8 @@ def main() -> int:
         )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"steps": args.steps, "rows": rows}, indent=2) + "\n")
+        record = {"steps": args.steps, "extra_sets": args.extra, "rows": rows}
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     return 0
 
 

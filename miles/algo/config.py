@@ -98,7 +98,8 @@ class GspoLoss(Strict):
 
 class CispoLoss(Strict):
     """CISPO: REINFORCE on every token, weighted by the clipped, detached importance ratio,
-    ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log pi_theta``; no token loses its gradient."""
+    ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log pi_theta``; no token with A > 0 loses its gradient
+    (by default those with A < 0 do below PPO's lower trust region, ``mask_low``)."""
 
     type: Literal["cispo"] = "cispo"
     clip_low: float = Field(
@@ -106,6 +107,21 @@ class CispoLoss(Strict):
     )
     clip_high: float = Field(4.0, ge=0, description="Upper clip of the weight: 1 + clip_high.")
     aggregation: Literal["token", "sequence"] = Field("token", description="As for ppo_clip.")
+    mask_low: float | None = Field(
+        0.2,
+        ge=0,
+        le=1,
+        description="Tokens with A < 0 whose ratio fell below 1 - mask_low get no gradient (the token mask of "
+        "MiniMax-M1's unified form, eq. 7: PPO's lower trust region). Without it, several mini-batches keep "
+        "pushing down the same sampled tokens and the quickstart collapses (benchmarks/RESULTS.md); it never "
+        "acts with minibatches: 1. None: no mask, the paper's CISPO (eq. 4).",
+    )
+    mask_high: float | None = Field(
+        None,
+        ge=0,
+        description="Tokens with A > 0 whose ratio rose above 1 + mask_high get no gradient (eq. 7's mask, PPO's "
+        "upper trust region). None: no mask.",
+    )
 
 
 LossConfig = Annotated[

@@ -47,15 +47,36 @@ def ppo_surrogate(log_ratio: Tensor, adv: Tensor, clip_low: float, clip_high: fl
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-def cispo_surrogate(log_ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> tuple[Tensor, Tensor]:
+def cispo_surrogate(
+    log_ratio: Tensor,
+    adv: Tensor,
+    clip_low: float,
+    clip_high: float,
+    ratio_cap: float | None = None,
+    mask_low: float | None = None,
+    mask_high: float | None = None,
+) -> tuple[Tensor, Tensor]:
     """CISPO per token (MiniMax-M1, eq. 4): ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log pi_theta``.
 
     Written as ``-sg(w) * A * r / sg(r)``: the same gradient, ``-w A grad log pi_theta``, with the value
     ``-w A`` (comparable with PPO's ``-A r``). Unlike PPO no token loses its gradient; the clip only bounds the
-    weight. Returns the term and where the weight was clipped."""
+    weight. A ``ratio_cap`` (the ``behaviour_ratio`` correction's truncation) lowers the weight's upper bound
+    to ``min(1 + clip_high, ratio_cap)``; it must not cut the gradient as it does in PPO's ratio.
+
+    ``mask_low`` / ``mask_high`` add the token mask ``M`` of the paper's unified form (eq. 7): a token with
+    ``A < 0`` and ``r < 1 - mask_low``, or ``A > 0`` and ``r > 1 + mask_high``, gets no gradient, which is
+    PPO's trust region on that side (None: no mask, the paper's CISPO). Returns the term and where the weight
+    was clipped or the token masked."""
     ratio = torch.exp(log_ratio)  # (B, T)
-    weight = torch.clamp(ratio.detach(), 1.0 - clip_low, 1.0 + clip_high)
-    return -adv * weight * (ratio / ratio.detach()), weight != ratio.detach()
+    upper = 1.0 + clip_high if ratio_cap is None else min(1.0 + clip_high, ratio_cap)
+    weight = torch.clamp(ratio.detach(), 1.0 - clip_low, upper)
+    term = -adv * weight * (ratio / ratio.detach())
+    dropped = torch.zeros_like(ratio, dtype=torch.bool)
+    if mask_low is not None:
+        dropped = dropped | ((adv < 0) & (ratio.detach() < 1.0 - mask_low))
+    if mask_high is not None:
+        dropped = dropped | ((adv > 0) & (ratio.detach() > 1.0 + mask_high))
+    return torch.where(dropped, 0.0, term), (weight != ratio.detach()) | dropped
 
 
 def gspo_surrogate(
@@ -97,6 +118,7 @@ def policy_loss(
     num_tokens: float | Tensor | None = None,
     num_sequences: float | Tensor | None = None,
     seq_index: Tensor | None = None,
+    cispo_mask: tuple[float | None, float | None] = (None, None),
 ) -> PolicyLossOutput:
     """A policy-gradient loss over masked tokens (PPO-clip by default).
 
@@ -130,6 +152,7 @@ def policy_loss(
             with at least one masked token); pass the global count across ranks.
         seq_index: ``(B, T)`` sequence of each token when rows are packed with several sequences
             (:mod:`miles.algo.segments`); default: each row is one sequence.
+        cispo_mask: ``(mask_low, mask_high)`` of :func:`cispo_surrogate` (only with ``surrogate="cispo"``).
     """
     if clip_low < 0 or clip_high < 0:
         raise ValueError("clip_low and clip_high must be >= 0")
@@ -161,8 +184,8 @@ def policy_loss(
         capped = torch.clamp(log_ratio, max=cap)
     if surrogate == "ppo_clip":
         pg, clipped = ppo_surrogate(capped, adv, clip_low, clip_high)
-    elif surrogate == "cispo":
-        pg, clipped = cispo_surrogate(capped, adv, clip_low, clip_high)
+    elif surrogate == "cispo":  # the cap bounds CISPO's weight, never its gradient
+        pg, clipped = cispo_surrogate(log_ratio, adv, clip_low, clip_high, ratio_cap, *cispo_mask)
     else:
         pg, clipped = gspo_surrogate(capped, adv.expand_as(log_ratio), mask, seqs, clip_low, clip_high)
     if token_weights is not None:
@@ -291,7 +314,7 @@ def ppo_clip(cfg: Any) -> PolicyLoss:
 @POLICY_LOSSES.register("cispo")
 def cispo(cfg: Any) -> PolicyLoss:
     """:func:`cispo_surrogate` with the section's weight bounds and aggregation."""
-    return _loss("cispo", cfg.clip_low, cfg.clip_high, cfg.aggregation)
+    return _loss("cispo", cfg.clip_low, cfg.clip_high, cfg.aggregation, cispo_mask=(cfg.mask_low, cfg.mask_high))
 
 
 @POLICY_LOSSES.register("gspo")

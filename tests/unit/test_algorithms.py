@@ -81,8 +81,8 @@ def _cispo_paper(logp, old, adv, mask, eps_low, eps_high):  # type: ignore[no-un
 @pytest.mark.parametrize(("clip_low", "clip_high"), [(1.0, 4.0), (0.2, 0.28)])
 def test_cispo_gradient_is_the_papers(clip_low: float, clip_high: float) -> None:
     samples, prox, current, logp, old, mask, adv = _on_policy_batch(seed=7)
-    algo = AlgoConfig(off_policy="none", loss={"type": "cispo", "clip_low": clip_low, "clip_high": clip_high})
-    ours, metrics = _packed_loss(algo, samples, prox, current)
+    loss = {"type": "cispo", "clip_low": clip_low, "clip_high": clip_high, "mask_low": None}  # eq. 4, no mask
+    ours, metrics = _packed_loss(AlgoConfig(off_policy="none", loss=loss), samples, prox, current)
     paper = _cispo_paper(logp, old, adv, mask, clip_low, clip_high)
     for a, b in zip(torch.autograd.grad(ours, current, retain_graph=True), torch.autograd.grad(paper, current)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
@@ -106,6 +106,72 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens() -> None:
     (cispo_grad,) = torch.autograd.grad(policy_loss(*args, clip_low=0.2, clip_high=0.28, surrogate="cispo").loss, logp)
     assert ppo_grad.item() == 0.0
     assert cispo_grad.item() == pytest.approx(-1.28)
+
+
+def _hand_batch(ratios, k, advantages, base="prox"):  # type: ignore[no-untyped-def]
+    """Samples whose log-probs give exactly these per-token ratios ``r`` (current / ratio base) and proximal /
+    behaviour ratios ``k``; the current log-probs are the leaves."""
+    from miles.backends.base import TrainSample
+
+    samples, prox, current = [], [], []
+    for i, (rs, ks, adv) in enumerate(zip(ratios, k, advantages, strict=True)):
+        p = torch.tensor([-0.5 - 0.25 * (i + t) for t in range(len(rs))], dtype=F64)  # any proximal log-probs
+        mu = p - torch.log(torch.tensor(ks, dtype=F64))  # travels as float32: k is exact to ~1e-7
+        anchor = p if base == "prox" else mu
+        samples.append(TrainSample([1, 1], [2] * len(rs), [1] * len(rs), mu.tolist(), advantage=adv))
+        prox.append(p)
+        current.append((anchor + torch.log(torch.tensor(rs, dtype=F64))).requires_grad_(True))
+    return samples, prox, current
+
+
+def test_cispo_gradient_by_hand_with_the_default_correction() -> None:
+    """Hand-computed: d loss / d log pi_t = -clip(r_t, 0, 5) * A * min(k_t, 2) / N for every token, through the
+    trainer's path (default correction decoupled_ppo, packed rows), including the tokens PPO would drop."""
+    ratios = [[0.5, 1.0, 7.0], [0.25, 2.0]]  # 7.0: above the cap 5; 0.25 with A < 0: PPO drops it (r < 0.8)
+    k = [[1.0, 3.0, 0.5], [1.0, 1.0]]  # 3.0: truncated to 2 by decoupled_ppo
+    samples, prox, current = _hand_batch(ratios, k, [1.5, -0.5])
+    paper = AlgoConfig(loss={"type": "cispo", "mask_low": None})  # eq. 4: no trust-region mask
+    loss, metrics = _packed_loss(paper, samples, prox, current)
+    grads = torch.autograd.grad(loss, current)
+    # -w A k / N with N = 5: (-0.5*1.5*1, -1*1.5*2, -5*1.5*0.5) / 5 and (-0.25*-0.5*1, -2*-0.5*1) / 5
+    torch.testing.assert_close(grads[0], torch.tensor([-0.15, -0.6, -0.75], dtype=F64), rtol=0, atol=1e-7)
+    torch.testing.assert_close(grads[1], torch.tensor([0.025, 0.2], dtype=F64), rtol=0, atol=1e-7)
+    assert loss.item() == pytest.approx(-0.15 - 0.6 - 0.75 + 0.025 + 0.2)  # the value -w A k / N, summed
+    assert metrics["clip_frac"].item() == pytest.approx(1 / 5)  # only the weight of r = 7 hit the cap
+    # PPO-clip on the same tokens: no gradient where r = 7 (A > 0) and r = 0.25 (A < 0) left the trust region.
+    ppo, _ = _packed_loss(AlgoConfig(), samples, prox, current)
+    ppo_grads = torch.autograd.grad(ppo, current)
+    assert ppo_grads[0][2].item() == 0.0 and ppo_grads[1][0].item() == 0.0
+
+
+def test_cispo_trust_region_mask_drops_only_its_side() -> None:
+    """MiniMax-M1 eq. 7's mask: with mask_low 0.2 (the default) the A < 0 token at r = 0.25 loses its gradient;
+    with mask_high 0.28 (and no mask_low) the A > 0 token at r = 7 does; every other token keeps
+    -clip(r, 0, 5) * A * min(k, 2) / N."""
+    ratios = [[0.5, 1.0, 7.0], [0.25, 2.0]]
+    samples, prox, current = _hand_batch(ratios, [[1.0, 3.0, 0.5], [1.0, 1.0]], [1.5, -0.5])
+    full = ([-0.15, -0.6, -0.75], [0.025, 0.2])
+    for mask, dropped in [({}, (1, 0)), ({"mask_low": None, "mask_high": 0.28}, (0, 2))]:
+        loss, metrics = _packed_loss(AlgoConfig(loss={"type": "cispo", **mask}), samples, prox, current)
+        expected = [torch.tensor(g, dtype=F64) for g in full]
+        expected[dropped[0]][dropped[1]] = 0.0
+        for got, want in zip(torch.autograd.grad(loss, current), expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
+        capped_or_masked = 1 if "mask_high" in mask else 2  # r = 7 is capped either way
+        assert metrics["clip_frac"].item() == pytest.approx(capped_or_masked / 5)
+
+
+def test_cispo_ratio_cap_bounds_the_weight_not_the_gradient() -> None:
+    """With ``behaviour_ratio`` the ratio is pi_theta / mu, capped at 2: CISPO's weight is min(r, 2) and every
+    token keeps its gradient (PPO-clip's truncated tokens get none): -min(r, 2) * A / N by hand."""
+    ratios = [[3.0, 1.5], [0.9]]  # 0.9 with A < 0: inside the default lower mask
+    samples, prox, current = _hand_batch(ratios, [[1.0, 1.0], [1.0]], [1.0, -2.0], base="behaviour")
+    algo = AlgoConfig(loss="cispo", off_policy={"type": "behaviour_ratio", "cap": 2.0})
+    loss, metrics = _packed_loss(algo, samples, prox, current)
+    grads = torch.autograd.grad(loss, current)
+    torch.testing.assert_close(grads[0], torch.tensor([-2.0 / 3, -0.5], dtype=F64), rtol=0, atol=1e-7)
+    torch.testing.assert_close(grads[1], torch.tensor([0.6], dtype=F64), rtol=0, atol=1e-7)
+    assert metrics["clip_frac"].item() == pytest.approx(1 / 3)
 
 
 # --------------------------------------------------------------------------- Dr. GRPO and DAPO
