@@ -9,7 +9,7 @@ import pytest
 
 from miles.rollout.env import EpisodeSpec
 from miles.sandbox.base import SandboxLimits
-from miles.tasks.terminal.builtin import check_demonstration, demonstrations, generate, solution, spec_of
+from miles.tasks.terminal.builtin import PLACEHOLDER, check_demonstration, demonstrations, generate, solution, spec_of
 from miles.tasks.terminal.config import BuiltinTerminalConfig, TerminalTaskConfig
 from miles.tasks.terminal.env import TerminalEnv, replay
 from miles.tasks.terminal.harbor import load_tasks
@@ -71,6 +71,28 @@ async def test_a_wrong_answer_earns_0(tmp_path: Path) -> None:
     look, _, finish = solution(task)
     _, reward = await replay(TerminalEnv(task, provider, SandboxLimits()), [look, "$ echo 0 >a", finish])
     assert reward == 0.0
+
+
+async def test_guessing_demonstrations_skip_the_look_and_earn_0(tmp_path: Path) -> None:
+    """guess_fraction: that share of train tasks (none of eval) gets a warm-up demonstration that writes a
+    placeholder without looking; replayed in the real sandbox it earns 0, the task's solution still 1."""
+    provider = bubblewrap_provider()
+    dirs = generate(tmp_path, BuiltinTerminalConfig(train_size=200, eval_size=20, guess_fraction=0.6))
+    train, held_out = load_tasks(dirs["train"]), load_tasks(dirs["eval"])
+    guessing = [t for t in train if spec_of(t).guess]
+    assert 0.5 < len(guessing) / len(train) < 0.7 and not any(spec_of(t).guess for t in held_out)
+    task = guessing[0]
+    spec = spec_of(task)
+    conversation = demonstrations(task)
+    turns = [m["content"] for m in conversation if m["role"] == "assistant"]
+    assert turns == [f"$ echo {PLACEHOLDER} >{spec.target}", "$ done"] and spec.answer != PLACEHOLDER
+    _, reward = await replay(TerminalEnv(task, provider, SandboxLimits()), turns)
+    assert reward == 0.0
+    assert await check_demonstration(task, provider) == 1.0
+    plain = [t for t in train if not spec_of(t).guess][0]
+    assert [m["content"] for m in demonstrations(plain) if m["role"] == "assistant"] == solution(plain)
+    before = generate(tmp_path / "default", BuiltinTerminalConfig(train_size=200, eval_size=20))
+    assert [spec_of(t).value for t in load_tasks(before["train"])] == [spec_of(t).value for t in train]
 
 
 async def test_terminal_tasks_from_config(tmp_path: Path) -> None:

@@ -15,6 +15,14 @@ Difficulty is tunable: ``transform`` (``copy``, ``add`` k, ``reverse`` the digit
 number, and ``vary_names`` (file names drawn per task, so the model must read them from the instruction).
 Train and held-out tasks never share a number; with ``disjoint_names`` they never share a file name either.
 
+With ``guess_fraction`` f, that share of the training tasks carries a *guessing* warm-up demonstration: it
+writes a placeholder without looking (``$ echo 0 >a``, then ``$ done``) and would earn 0. A model warmed up
+on that mix has the skill of the correct episode and the habit of answering without using the tool; what
+RL has to learn from the verifier's reward is the multi-turn decision to look first (a classic agent
+failure: answering before using the tool). The placeholder is one fixed digit, so the guesses teach no
+digits that compete with the ones copied from an observation. The tasks themselves, the verifier and the
+eval split do not change.
+
     python -m miles.tasks.terminal.builtin OUT_DIR   # writes OUT_DIR/train and OUT_DIR/eval, then checks
                                                      # that the first demonstrations earn reward 1
 """
@@ -36,6 +44,7 @@ from miles.tasks.terminal.tools import NO_OUTPUT
 
 METADATA_KEY = "miles_builtin"
 NAMES: str = "abcdefghijklmnopqrstuvwxyz"
+PLACEHOLDER = "0"  # what a guessing demonstration writes: never an answer (answers have ``digits`` digits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +57,7 @@ class BuiltinSpec:
     answer: str
     transform: str
     add: int
+    guess: bool = False  # the warm-up demonstration writes PLACEHOLDER without looking
 
     def instruction(self) -> str:
         what = {
@@ -86,6 +96,7 @@ def specs(cfg: BuiltinTerminalConfig) -> dict[str, list[BuiltinSpec]]:
     train_pool = [v for v in range(low, high + 1) if v not in held]
     train_values = [rng.choice(train_pool) for _ in range(cfg.train_size)]
     names = _names(cfg)
+    guesser = random.Random(cfg.seed + 1)  # its own stream: guess_fraction 0 leaves every task as before
     out: dict[str, list[BuiltinSpec]] = {}
     for split, values in (("train", train_values), ("eval", eval_values)):
         pool = names[split]
@@ -93,7 +104,8 @@ def specs(cfg: BuiltinTerminalConfig) -> dict[str, list[BuiltinSpec]]:
         for value in values:
             source, target = rng.sample(pool, 2) if cfg.vary_names else (pool[0], pool[1])
             text = str(value)
-            out[split].append(BuiltinSpec(source, target, text, _answer(text, cfg), cfg.transform, cfg.add))
+            guess = split == "train" and guesser.random() < cfg.guess_fraction
+            out[split].append(BuiltinSpec(source, target, text, _answer(text, cfg), cfg.transform, cfg.add, guess))
     return out
 
 
@@ -104,7 +116,8 @@ def _task_toml(spec: BuiltinSpec, name: str) -> str:
         '[metadata]\ncategory = "miles-builtin"\n\n'
         f"[metadata.{METADATA_KEY}]\n"
         f'source = "{spec.source}"\ntarget = "{spec.target}"\nvalue = "{spec.value}"\n'
-        f'answer = "{spec.answer}"\ntransform = "{spec.transform}"\nadd = {spec.add}\n\n'
+        f'answer = "{spec.answer}"\ntransform = "{spec.transform}"\nadd = {spec.add}\n'
+        f"guess = {str(spec.guess).lower()}\n\n"
         "[verifier]\ntimeout_sec = 10.0\n\n[agent]\ntimeout_sec = 60.0\n"
     )
 
@@ -155,6 +168,7 @@ def spec_of(task: HarborTask) -> BuiltinSpec:
         answer=meta["answer"],
         transform=meta["transform"],
         add=int(meta["add"]),
+        guess=bool(meta.get("guess", False)),  # folders written before guess_fraction existed
     )
 
 
@@ -164,23 +178,37 @@ def solution(task: HarborTask) -> list[str]:
     return [f"$ cat {spec.source}", f"$ echo {spec.answer} >{spec.target}", "$ done"]
 
 
+def _conversation(
+    task: HarborTask, turns: list[str], observations: list[str], system_prompt: str | None, role: str
+) -> list[ChatMessage]:
+    """The instruction, then each assistant turn followed by its observation (none after the last)."""
+    messages: list[ChatMessage] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": task.instruction})
+    for k, turn in enumerate(turns):
+        messages.append({"role": "assistant", "content": turn})
+        if k < len(observations):
+            messages.append({"role": role, "content": observations[k]})
+    return messages
+
+
+def solution_conversation(
+    task: HarborTask, *, system_prompt: str | None = None, role: str = "user"
+) -> list[ChatMessage]:
+    """The correct full conversation of ``task``, observations as :class:`TerminalEnv` renders them."""
+    return _conversation(task, solution(task), [spec_of(task).value, NO_OUTPUT], system_prompt, role)
+
+
 def demonstrations(task: HarborTask, *, system_prompt: str | None = None, role: str = "user") -> list[ChatMessage]:
-    """A correct full conversation of ``task``, observations as :class:`TerminalEnv` renders them (for SFT).
+    """The warm-up conversation of ``task`` (for SFT): the correct one, or for a task drawn by
+    ``guess_fraction``, one that writes :data:`PLACEHOLDER` without looking.
 
     ``system_prompt`` and ``role`` (of observations) must match the env the model will be trained in.
     """
     spec = spec_of(task)
-    look, write, finish = solution(task)
-    messages: list[ChatMessage] = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages += [
-        {"role": "user", "content": task.instruction},
-        {"role": "assistant", "content": look},
-        {"role": role, "content": spec.value},
-        {"role": "assistant", "content": write},
-        {"role": role, "content": NO_OUTPUT},
-        {"role": "assistant", "content": finish},
-    ]
-    return messages
+    if not spec.guess:
+        return solution_conversation(task, system_prompt=system_prompt, role=role)
+    turns = [f"$ echo {PLACEHOLDER} >{spec.target}", "$ done"]
+    return _conversation(task, turns, [NO_OUTPUT], system_prompt, role)
 
 
 async def check_demonstration(
@@ -190,14 +218,14 @@ async def check_demonstration(
     *,
     system_prompt: str | None = None,
 ) -> float:
-    """Replay :func:`demonstrations` in the real sandbox; its reward (1.0 when the task is sound).
+    """Replay the :func:`solution` in the real sandbox; its reward (1.0 when the task is sound).
 
-    Also raises :class:`AssertionError` if an observation differs from the demonstration's: a model
-    warmed up on demonstrations must see in RL exactly what it saw in SFT.
+    Also raises :class:`AssertionError` if an observation differs from :func:`solution_conversation`'s: a
+    model warmed up on demonstrations must see in RL exactly what it saw in SFT.
     """
     env = TerminalEnv(task, provider, limits or SandboxLimits(), system_prompt=system_prompt)
     messages, reward = await replay(env, solution(task))
-    expected = demonstrations(task, system_prompt=system_prompt)
+    expected = solution_conversation(task, system_prompt=system_prompt)
     if messages != expected:
         raise AssertionError(f"task {task.name}: replayed conversation {messages} differs from {expected}")
     return reward

@@ -21,6 +21,14 @@ class BuiltinTerminalConfig(Strict):
     disjoint_names: bool = Field(
         False, description="With vary_names: train names from a-m, eval names from n-z (tests reading names)."
     )
+    guess_fraction: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Share of training tasks whose warm-up demonstration writes a placeholder (0) without "
+        "looking at the file (it earns 0): the warmed-up model sometimes looks and sometimes guesses, and RL "
+        "must learn from the reward that looking pays. Eval tasks and the verifier are unchanged.",
+    )
     train_size: int = Field(512, gt=0, description="Number of training task folders.")
     eval_size: int = Field(64, gt=0, description="Number of held-out task folders (numbers disjoint from train).")
     seed: int = Field(0, description="Seed of the generator.")
