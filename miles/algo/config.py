@@ -320,6 +320,11 @@ class AlgoConfig(Strict):
         description="Reward of an episode cut off by the token limit, instead of its task reward (0: truncated "
         "answers score 0, as under a tight length cap); None: as scored.",
     )
+    unfinished_reward: float | None = Field(
+        None,
+        description="Reward of an episode that ran out of turns (end reason max_turns: the agent never "
+        "finished) instead of its task reward; None: as the verifier scored it.",
+    )
     distill: DistillConfig | None = Field(None, description="On-policy distillation from a frozen teacher.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL penalty to the reference policy.")
     entropy_coef: float = Field(0.0, description="Weight of the entropy bonus.")

@@ -31,7 +31,8 @@ def overlong_penalty(length: int, max_tokens: int, buffer_tokens: int, penalty: 
 
 class RewardShaper:
     """``trainer.algo``'s reward shaping of one episode: ``truncated_reward`` replaces the reward of a
-    truncated episode, then the ``reward_shaping`` term is added.
+    truncated episode and ``unfinished_reward`` that of one that ran out of turns, then the
+    ``reward_shaping`` term is added.
 
     Args:
         algo: the ``trainer.algo`` section.
@@ -40,6 +41,7 @@ class RewardShaper:
 
     def __init__(self, algo: Any, budget: int) -> None:
         self.truncated_reward: float | None = algo.truncated_reward
+        self.unfinished_reward: float | None = algo.unfinished_reward
         shaping = algo.reward_shaping
         self.overlong = shaping if shaping.type == "overlong" else None
         self.max_tokens = int(self.overlong.max_tokens or budget) if self.overlong is not None else budget
@@ -51,12 +53,14 @@ class RewardShaper:
 
     @property
     def active(self) -> bool:
-        return self.truncated_reward is not None or self.overlong is not None
+        return self.truncated_reward is not None or self.unfinished_reward is not None or self.overlong is not None
 
-    def __call__(self, reward: float, length: int, truncated: bool) -> float:
+    def __call__(self, reward: float, length: int, truncated: bool, end_reason: str = "done") -> float:
         """The shaped reward of an episode with ``length`` model tokens."""
         if truncated and self.truncated_reward is not None:
             reward = float(self.truncated_reward)
+        if end_reason == "max_turns" and self.unfinished_reward is not None:
+            reward = float(self.unfinished_reward)
         if self.overlong is not None:
             reward += overlong_penalty(length, self.max_tokens, self.overlong.buffer_tokens, self.overlong.penalty)
         return reward

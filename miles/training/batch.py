@@ -2,9 +2,9 @@
 
 Only episodes with status ``ok`` are trained and enter their group's advantages: an episode whose reward
 failed, or that the infrastructure broke, is excluded and counted, never scored 0 (which would bias the
-group's baseline). Rewards are shaped first (``trainer.algo.truncated_reward`` and ``reward_shaping``,
-:class:`miles.algo.shaping.RewardShaper`), then advantages come from the configured estimator over the whole
-batch's groups. The group filter (DAPO's dynamic sampling) sees the same shaped rewards
+group's baseline). Rewards are shaped first (``trainer.algo.truncated_reward``, ``unfinished_reward`` and
+``reward_shaping``, :class:`miles.algo.shaping.RewardShaper`), then advantages come from the configured
+estimator over the whole batch's groups. The group filter (DAPO's dynamic sampling) sees the same shaped rewards
 (:func:`group_rewards`), so a filtered group is exactly one whose advantages would all be 0 under GRPO.
 """
 
@@ -39,7 +39,10 @@ def group_rewards(traj: Trajectory, shaper: RewardShaper | None = None) -> list[
     rewards = [float(e.reward) for e in traj.trained_episodes]  # type: ignore[arg-type]
     if shaper is None or not shaper.active:
         return rewards
-    return [shaper(r, e.num_model_tokens, e.truncated) for r, e in zip(rewards, traj.trained_episodes, strict=True)]
+    return [
+        shaper(r, e.num_model_tokens, e.truncated, e.end_reason)
+        for r, e in zip(rewards, traj.trained_episodes, strict=True)
+    ]
 
 
 def build_batch(

@@ -231,6 +231,9 @@ def test_reward_shaper_truncation_then_overlong() -> None:
     assert shaper(1.0, 5, truncated=False) == 0.5
     assert shaper(1.0, 6, truncated=True) == -1.0  # truncated: 0, then the full overlong penalty
     assert not RewardShaper(AlgoConfig(), budget=6).active
+    unfinished = RewardShaper(AlgoConfig(unfinished_reward=-0.5), budget=6)
+    assert unfinished.active and unfinished(1.0, 3, False, "max_turns") == -0.5
+    assert unfinished(1.0, 3, False, "done") == 1.0 and shaper(1.0, 3, False, "max_turns") == 1.0
     with pytest.raises(ValueError, match="buffer_tokens"):
         RewardShaper(AlgoConfig(reward_shaping={"type": "overlong", "buffer_tokens": 9}), budget=6)
 
