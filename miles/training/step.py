@@ -15,9 +15,10 @@ Several mini-batches make several optimizer steps against one proximal policy, s
 away from 1 and its clip acts; with one mini-batch the ratio is exactly 1 at the forward.
 
 A mini-batch without signal (every advantage 0 on every rank, and no KL, entropy or distillation term) is
-scored but not stepped: its gradient is exactly 0, and an AdamW step on it would only replay the momentum of earlier
-batches (for several steps, each about ``lr`` on every weight) and decay the weights. With sparse rewards
-(a few successes per batch) that drift is what undoes learning. The learning-rate clock still advances.
+scored but not stepped: its gradient is exactly 0, and an AdamW step on it would only replay the momentum
+of earlier batches (for several steps, each about ``lr`` on every weight) and decay the weights. With
+sparse rewards (a few successes per batch) that drift is what undoes learning. The learning-rate clock
+still advances.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class RLStep:
         finite = [g for g in grad_norms if torch.isfinite(torch.tensor(g))]
         metrics |= {
             "grad_norm": grad_norms[-1] if grad_norms else 0.0,
-            "grad_norm_max": max(finite) if finite else float("nan"),
+            "grad_norm_max": max(finite) if finite else (float("nan") if grad_norms else 0.0),
             "skipped_steps": float(len(grad_norms) - len(finite)),
             "lr": lr,
             "optimizer_steps": float(len(finite)),
