@@ -156,14 +156,13 @@ class Outage:
 async def attempt(op: Callable[[], Awaitable[T]], limit_s: float, outage: Outage) -> T:
     """One try of ``op``: its result, or a transient error (tried again): ``asyncio.TimeoutError`` once ``limit_s``
     has passed, :class:`TransientBusError` as soon as the connection is back after a drop (for a try begun while
-    connected). A request sent
-    on the connection that dropped is lost with it, and so is its reply: sending it again on the new
-    connection beats waiting out its own timeout (10 s) after an outage of a second. A try begun while
-    disconnected is in nats-py's reconnect buffer, sent on reconnect, and keeps its chance.
+    connected). A request sent on the connection that dropped is lost with it, and so is its reply: sending it
+    again on the new connection beats waiting out its own timeout (10 s) after an outage of a second. A try
+    begun while disconnected is in nats-py's reconnect buffer, sent on reconnect, and keeps its chance.
 
-    The abandoned try is cancelled but not waited for: nats-py swallows a cancellation in its flush path
-    (``Client._flush_pending``), and a try that then waits on a flusher of the old connection would hold its
-    caller for good (``asyncio.wait_for`` waits for the cancelled task to end)."""
+    The abandoned try is cancelled but not waited for (``asyncio.wait_for`` would wait for the cancelled task
+    to end): nats-py swallows a cancellation in its flush path (``Client._flush_pending``) and goes on, so
+    the try can outlive its cancellation by its whole timeout."""
     back = outage.next_reconnect() if outage.down_since is None else None
     task = asyncio.ensure_future(op())
     waits: set[asyncio.Future[Any]] = {task}
@@ -174,10 +173,11 @@ async def attempt(op: Callable[[], Awaitable[T]], limit_s: float, outage: Outage
     finally:
         for w in waits - {task}:
             w.cancel()
-    if task.done():
+        if not task.done():  # timed out, cut off by a reconnect, or the caller itself cancelled
+            task.cancel()
+            task.add_done_callback(_forget)
+    if task.done() and not task.cancelled():
         return task.result()
-    task.cancel()
-    task.add_done_callback(_forget)
     if back is not None and back.is_set():
         raise TransientBusError("the connection dropped and came back during the request")
     raise asyncio.TimeoutError
