@@ -589,6 +589,9 @@ class Controller(Actor):
         answered by a replica that has not stored it yet, and the reader then looks again only a poll period
         later. Without this wait summary.json could name the previous evaluation as eval_after."""
         step = self.version_steps.get(result.requested_version, 0)
+        if step in self.record.evals:
+            return
+        started = time.perf_counter()
         async with self._eval_recorded:
             try:
                 await asyncio.wait_for(self._eval_recorded.wait_for(lambda: step in self.record.evals), VERSION_WAIT_S)
@@ -596,6 +599,9 @@ class Controller(Actor):
                 # Stored (the publish was acked) but not read back: record it from here, as the reader would.
                 self.log.warning("final_eval_not_read_back", version=result.requested_version, after_s=VERSION_WAIT_S)
                 self.record.eval(result, step=step)
+                return
+        waited = round(time.perf_counter() - started, 3)
+        self.log.info("final_eval_read_back", version=result.requested_version, waited_s=waited)
 
     async def _write_plots(self) -> None:
         """reward.png, staleness.png and lengths.png in the run directory; a failure is logged, never fatal."""
