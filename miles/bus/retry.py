@@ -242,7 +242,8 @@ async def ack_or_redeliver(msg: Msg, outage: Outage, *, timeout_s: float = 2.0) 
         except Exception as exc:
             if not is_transient(exc):
                 raise
-            heard = was_up and outage.down_since is None and outage.outages == drops
+            timed_out = isinstance(exc, asyncio.TimeoutError)  # nats-py's TimeoutError is one too
+            heard = timed_out and was_up and outage.down_since is None and outage.outages == drops
             if heard or time.monotonic() - started + FIRST_BACKOFF_S > budget_s:
                 outage.unconfirmed_acks += 1
                 log.warning(
