@@ -180,3 +180,19 @@ def test_checksum_is_xxh3_128_and_incremental() -> None:
     for part in (b"ab", b"", b"c"):
         h.update(part)
     assert h.hexdigest() == digest(b"abc") and len(digest(b"abc")) == 32
+
+
+async def test_requests_lost_with_a_replica_are_sent_again_and_a_second_answer_is_dropped() -> None:
+    """A direct get taken by a replica that then went down is never answered: the fetch sends again what is in
+    flight; the first answer is placed, a late second one dropped, and each chunk counted once."""
+    conn, getter, dest, transport = _setup([10, 10, 10])
+    assert transport.written.count(b"PUB ") == 2  # window 2: chunks 0 and 1 in flight
+    rng = random.Random(0)
+    _feed(conn, _reply(1, b"b" * 10), rng, 7)  # chunk 0's request was lost; chunk 2's goes out
+    assert getter.resend() == 2  # chunks 0 and 2, nothing answered yet
+    assert transport.written.count(b'{"seq":10}') == 2 and transport.written.count(b'{"seq":11}') == 1
+    _feed(conn, _reply(0, b"a" * 10), rng, 7)
+    _feed(conn, _reply(2, b"c" * 10), rng, 7)
+    assert getter.done.done() and getter.done.exception() is None
+    _feed(conn, _reply(2, b"X" * 10), rng, 7)  # the second answer of a re-sent request
+    assert bytes(dest) == b"a" * 10 + b"b" * 10 + b"c" * 10 and getter.completed == 3
