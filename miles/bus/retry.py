@@ -229,9 +229,9 @@ async def ack_or_redeliver(msg: Msg, outage: Outage, *, timeout_s: float = 2.0) 
     back (for a few seconds); if it cannot be confirmed, leave it to redelivery (logged, counted) instead of
     failing: whoever consumes the stream recognises a message it handled already. True when confirmed.
 
-    An ack that times out on a connection that stayed up was heard: the server does not answer an ack of a
-    delivery it no longer holds as pending (one from before its restart), and sending it again changes
-    nothing, so it is left to redelivery at once rather than after the whole budget."""
+    An ack that times out on a connection that stayed up was heard and left unanswered (a restarted server
+    does that for deliveries made before its restart, seen in the outage tests); sending it again changed
+    nothing there, so it is left to redelivery at once rather than after the whole budget."""
     budget_s = min(outage.budget_s, 3 * timeout_s)
     started = time.monotonic()
     while True:
