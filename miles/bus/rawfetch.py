@@ -361,6 +361,8 @@ class _DirectGet(_Handler):
 
     def _send(self, i: int) -> None:
         assert self.conn.transport is not None
+        if self.conn.transport.is_closing():
+            return  # the connection is gone: connection_lost fails the fetch (uvloop raises on a write)
         body = b'{"seq":%d}' % self.requests[i].seq
         self.conn.transport.write(b"PUB %s %s.%d %d\r\n%s\r\n" % (self.request_subject, self.inbox, i, len(body), body))
 
@@ -446,6 +448,8 @@ async def _open(endpoint: Endpoint, inbox: bytes, timeout_s: float) -> _Connecti
             **endpoint.auth(info),
         }
         assert conn.transport is not None
+        if conn.transport.is_closing():  # the server went away during the handshake (uvloop raises on a write)
+            raise BusError(f"weight-fetch connection to {endpoint.host}:{endpoint.port} closed during its handshake")
         conn.transport.write(b"CONNECT %s\r\nSUB %s.* 1\r\n" % (json.dumps(fields).encode(), inbox))
         await asyncio.wait_for(asyncio.shield(conn.ping()), timeout_s)
     except BusError:

@@ -196,3 +196,25 @@ async def test_requests_lost_with_a_replica_are_sent_again_and_a_second_answer_i
     assert getter.done.done() and getter.done.exception() is None
     _feed(conn, _reply(2, b"X" * 10), rng, 7)  # the second answer of a re-sent request
     assert bytes(dest) == b"a" * 10 + b"b" * 10 + b"c" * 10 and getter.completed == 3
+
+
+async def test_a_server_gone_during_the_handshake_is_a_bus_error() -> None:
+    """A node killed between its INFO and our CONNECT: a BusError (the data plane falls back), not uvloop's
+    RuntimeError of a write on a closed transport, which killed a worker."""
+    from miles.bus.rawfetch import Endpoint, _open
+
+    async def info_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b'INFO {"server_id":"x","max_payload":1048576}\r\n')
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(info_then_close, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        for _ in range(5):  # whichever the loop sees first, the INFO or the close, the answer is a BusError
+            endpoint = Endpoint("127.0.0.1", port, None, None, lambda info: {}, "t")
+            with pytest.raises(BusError):
+                await _open(endpoint, b"_INBOX.t", 2.0)
+    finally:
+        server.close()
+        await server.wait_closed()
