@@ -74,14 +74,14 @@ def test_the_only_server_killed_and_restarted_twice(tmp_path: Path, model_cache:
     and the run completes with its accounting right."""
     server = EmbeddedNats(tmp_path / "bus", port=free_port())
     server.start_sync()
-    # 14 steps: the second outage comes at step 7 at the latest, seven steps before the end.
+    # 14 steps: the second outage comes at step 7 (10 at most), four or more steps before the end.
     cfg = _run("outage", model_cache, **{"trainer.steps": 14, "eval.every": 7})
     cluster = Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=server.url)
     try:
         cluster.start_all()
         recorded = _kill_mid_run(cluster, server, after_steps=2, outage_s=2.0)
         # The second outage comes once the run has moved on two steps. (A second kill about 1 s after a restart
-        # has twice left the controller waiting for good: a known bug, see docs/deploy.md.)
+        # twice left the controller waiting for good in an earlier version: see docs/deploy.md.)
         _kill_mid_run(cluster, server, after_steps=min(max(7, recorded + 2), cfg.trainer.steps - 4), outage_s=15.0)
         _finish(cluster, server.url)
     finally:
