@@ -96,6 +96,7 @@ class Controller(Actor):
         self.trainer_step = 0
         self.version_steps: OrderedDict[int, int] = OrderedDict()  # announced version -> its lineage step
         self._version_changed = asyncio.Condition()
+        self._eval_recorded = asyncio.Condition()  # notified when an EvalResult read from METRICS is recorded
         self.workers: dict[str, Heartbeat] = {}  # live rollout workers' latest heartbeats
         self.peers: dict[str, Heartbeat] = {}  # every other actor's latest heartbeat (their refusal counts)
         self._wake = asyncio.Event()
@@ -531,6 +532,8 @@ class Controller(Actor):
         elif isinstance(message, EvalResult):
             self.evals.mark_completed(message)
             self.record.eval(message, step=self.version_steps.get(message.requested_version, 0), t=stored_at(raw))
+            async with self._eval_recorded:
+                self._eval_recorded.notify_all()
         elif isinstance(message, GroupsIssued):
             refusal = self._issue_refusal(message, replaying)
             if refusal is None:
@@ -585,6 +588,27 @@ class Controller(Actor):
         self.audit.report(message)
 
     # ------------------------------------------------------------------ the end
+
+    async def _read_back(self, result: EvalResult) -> None:
+        """Wait (bounded) until the record holds ``result`` as read back from METRICS: the summary is written from
+        the record. The evaluation is complete (and :meth:`_finish` woken) as soon as the server acks the
+        EvalResult, before the METRICS reader has read it; in a cluster the reader's direct get can even be
+        answered by a replica that has not stored it yet, and the reader then looks again only a poll period
+        later. Without this wait summary.json could name the previous evaluation as eval_after."""
+        step = self.version_steps.get(result.requested_version, 0)
+        if step in self.record.evals:
+            return
+        started = time.perf_counter()
+        async with self._eval_recorded:
+            try:
+                await asyncio.wait_for(self._eval_recorded.wait_for(lambda: step in self.record.evals), VERSION_WAIT_S)
+            except asyncio.TimeoutError:
+                # Stored (the publish was acked) but not read back: record it from here, as the reader would.
+                self.log.warning("final_eval_not_read_back", version=result.requested_version, after_s=VERSION_WAIT_S)
+                self.record.eval(result, step=step)
+                return
+        waited = round(time.perf_counter() - started, 3)
+        self.log.info("final_eval_read_back", version=result.requested_version, waited_s=waited)
 
     async def _write_plots(self) -> None:
         """reward.png, staleness.png and lengths.png in the run directory; a failure is logged, never fatal."""
@@ -642,6 +666,8 @@ class Controller(Actor):
             self.log.error(
                 "final_eval_timed_out", version=trainer_done.policy_version, after_s=self.cfg.eval.final_timeout_s
             )
+        else:
+            await self._read_back(final)
         outstanding = self.state.issued - self.state.discarded - self.record.groups_trained
         summary = self.record.write_summary(
             status="complete",

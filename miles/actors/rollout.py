@@ -392,7 +392,10 @@ class RolloutWorker(Actor):
                 failed=outcome.failed + outcome.infra,
                 tokens=outcome.tokens,
             )
-            await self.bus.publish(self.bus.subjects.eval_results, result)
+            # One message id per shard: a shard played again (its ack lost in an outage, so redelivered) is
+            # dropped by the stream instead of reaching the controller as a second result, refused there.
+            msg_id = f"evalres-{work.eval_id}-{work.shard}"
+            await self.bus.publish(self.bus.subjects.eval_results, result, msg_id=msg_id)
             await msg.ack()
             self.stats.evals += 1
 

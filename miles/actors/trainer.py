@@ -339,8 +339,10 @@ class TrainerLeader(Actor):
         # The message id makes a re-sent report (a replayed step) a no-op in the stream.
         await self.bus.publish(self.bus.subjects.step, report, msg_id=f"step-v{version}")
         self._discarded_failures = dict.fromkeys(self._discarded_failures, 0.0)
-        for m in msgs:
-            await self.bus.ack(m)  # unconfirmed through an outage: redelivered later, and skipped as trained
+        # All at once: an ack the server leaves unanswered (one of a delivery from before a server restart) costs
+        # its retry budget, which in turn would stall the step once per trajectory. Unconfirmed: redelivered
+        # later, and skipped as trained.
+        await asyncio.gather(*(self.bus.ack(m) for m in msgs))
         for t in trajs:
             self.resolved.add(t.issue_index)
         await self.ranks.run(self.ranks.worker.poll_checkpoint)

@@ -39,6 +39,9 @@ _MAX_LINE = 64 * 1024
 # A control line plus its headers always fits the scratch buffer, so parsing never stalls on a full one.
 _MAX_HEADERS = _SCRATCH_BYTES - _MAX_LINE - 2
 _CRLF = b"\r\n"
+# Nothing received for this long: the requests in flight are sent again (one lost with a replica that went down
+# would otherwise hold the fetch until its no-progress timeout, 60 s).
+RESEND_AFTER_S = 2.0
 
 AuthFields = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -344,6 +347,8 @@ class _DirectGet(_Handler):
         self.window = max(1, window)
         self.sent = 0
         self.completed = 0
+        self.answered = bytearray(len(requests))  # 1 once request i is answered (a re-sent one can be answered twice)
+        self._receiving: int | None = None  # the request whose payload is being received, None for a dropped one
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def start(self) -> None:
@@ -351,17 +356,33 @@ class _DirectGet(_Handler):
             self._send_next()
 
     def _send_next(self) -> None:
-        assert self.conn.transport is not None
-        i = self.sent
         self.sent += 1
+        self._send(self.sent - 1)
+
+    def _send(self, i: int) -> None:
+        assert self.conn.transport is not None
+        if self.conn.transport.is_closing():
+            return  # the connection is gone: connection_lost fails the fetch (uvloop raises on a write)
         body = b'{"seq":%d}' % self.requests[i].seq
         self.conn.transport.write(b"PUB %s %s.%d %d\r\n%s\r\n" % (self.request_subject, self.inbox, i, len(body), body))
 
+    def resend(self) -> int:
+        """Send again every request in flight that has no answer yet: a direct get can be lost (in a cluster, the
+        replica that took it went down with it). Direct gets are idempotent, and a second answer is dropped.
+        Returns how many were sent."""
+        waiting = [i for i in range(self.sent) if not self.answered[i]]
+        for i in waiting:
+            self._send(i)
+        return len(waiting)
+
     def on_msg(self, subject: bytes, headers: bytes, length: int) -> memoryview:
+        self._receiving = None
         prefix, _, tail = subject.rpartition(b".")
         if prefix != self.inbox or not tail.isdigit() or int(tail) >= len(self.requests) or self.done.done():
             return memoryview(bytearray(length))  # stray or late message: drop it
         i = int(tail)
+        if self.answered[i]:
+            return memoryview(bytearray(length))  # the second answer of a re-sent request
         req = self.requests[i]
         code, desc, hdrs = _parse_headers(headers) if headers else (0, "", {})
         if code == 404:
@@ -375,12 +396,15 @@ class _DirectGet(_Handler):
         elif length != req.length:
             self._finish(ChecksumMismatch(f"chunk {i} has {length} bytes, the manifest says {req.length}"))
         else:
+            self._receiving = i
             return self.dest[req.offset : req.offset + length]
         return memoryview(bytearray(length))
 
     def on_msg_done(self) -> None:
-        if self.done.done():
-            return
+        i, self._receiving = self._receiving, None
+        if self.done.done() or i is None:
+            return  # finished, or a message that was dropped
+        self.answered[i] = 1
         self.completed += 1
         if self.completed == len(self.requests):
             self.done.set_result(None)
@@ -424,6 +448,8 @@ async def _open(endpoint: Endpoint, inbox: bytes, timeout_s: float) -> _Connecti
             **endpoint.auth(info),
         }
         assert conn.transport is not None
+        if conn.transport.is_closing():  # the server went away during the handshake (uvloop raises on a write)
+            raise BusError(f"weight-fetch connection to {endpoint.host}:{endpoint.port} closed during its handshake")
         conn.transport.write(b"CONNECT %s\r\nSUB %s.* 1\r\n" % (json.dumps(fields).encode(), inbox))
         await asyncio.wait_for(asyncio.shield(conn.ping()), timeout_s)
     except BusError:
@@ -474,14 +500,21 @@ async def fetch_chunks(
     conn.handler = getter
     try:
         getter.start()
+        check_s = min(RESEND_AFTER_S, timeout_s)
+        stalled_s = 0.0
         while True:
             before = conn.received
             try:
-                await asyncio.wait_for(asyncio.shield(getter.done), timeout_s)
+                await asyncio.wait_for(asyncio.shield(getter.done), check_s)
                 return
             except TimeoutError:
-                if conn.received == before:
+                if conn.received != before:
+                    stalled_s = 0.0
+                    continue
+                stalled_s += check_s
+                if stalled_s >= timeout_s:
                     raise BusError(f"weight fetch made no progress for {timeout_s:.0f}s") from None
+                log.info("weights_raw_fetch_resent", requests=getter.resend(), stalled_s=stalled_s)
     finally:
         conn.handler = _Handler()
         _close(conn)

@@ -126,6 +126,7 @@ class Outage:
     retries: int = 0  # requests sent again
     unconfirmed_acks: int = 0  # acks left to redelivery
     _logged: set[str] = field(default_factory=set)
+    _back: asyncio.Event = field(default_factory=asyncio.Event)  # set by the next reconnect (then replaced)
 
     def disconnected(self) -> None:
         if self.down_since is None:
@@ -134,6 +135,12 @@ class Outage:
 
     def reconnected(self) -> None:
         self.down_since = None
+        back, self._back = self._back, asyncio.Event()
+        back.set()
+
+    def next_reconnect(self) -> asyncio.Event:
+        """An event the next reconnect sets (not one before this call)."""
+        return self._back
 
     def down_for(self) -> float:
         return 0.0 if self.down_since is None else time.monotonic() - self.down_since
@@ -144,6 +151,42 @@ class Outage:
             "bus_retries": float(self.retries),
             "bus_unconfirmed_acks": float(self.unconfirmed_acks),
         }
+
+
+async def attempt(op: Callable[[], Awaitable[T]], limit_s: float, outage: Outage) -> T:
+    """One try of ``op``: its result, or a transient error (tried again): ``asyncio.TimeoutError`` once ``limit_s``
+    has passed, :class:`TransientBusError` as soon as the connection is back after a drop (for a try begun while
+    connected). A request sent on the connection that dropped is lost with it, and so is its reply: sending it
+    again on the new connection beats waiting out its own timeout (10 s) after an outage of a second. A try
+    begun while disconnected is in nats-py's reconnect buffer, sent on reconnect, and keeps its chance.
+
+    The abandoned try is cancelled but not waited for (``asyncio.wait_for`` would wait for the cancelled task
+    to end): nats-py swallows a cancellation in its flush path (``Client._flush_pending``) and goes on, so
+    the try can outlive its cancellation by its whole timeout."""
+    back = outage.next_reconnect() if outage.down_since is None else None
+    task = asyncio.ensure_future(op())
+    waits: set[asyncio.Future[Any]] = {task}
+    if back is not None:
+        waits.add(asyncio.ensure_future(back.wait()))
+    try:
+        await asyncio.wait(waits, timeout=limit_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits - {task}:
+            w.cancel()
+        if not task.done():  # timed out, cut off by a reconnect, or the caller itself cancelled
+            task.cancel()
+            task.add_done_callback(_forget)
+    if task.done() and not task.cancelled():
+        return task.result()
+    if back is not None and back.is_set():
+        raise TransientBusError("the connection dropped and came back during the request")
+    raise asyncio.TimeoutError
+
+
+def _forget(task: asyncio.Future[Any]) -> None:
+    """Retrieve an abandoned try's outcome (it was tried again), so asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 def gave_up(what: str, budget_s: float, exc: BaseException | None) -> BusUnavailable:
@@ -182,17 +225,37 @@ async def retrying(op: Callable[[], Awaitable[T]], *, what: str, outage: Outage)
 
 
 async def ack_or_redeliver(msg: Msg, outage: Outage, *, timeout_s: float = 2.0) -> bool:
-    """Ack ``msg`` and wait for the server's confirmation, retrying for a few seconds; if it cannot be
-    confirmed, leave it to redelivery (logged, counted) instead of failing: whoever consumes the stream
-    recognises a message it handled already. True when the ack was confirmed."""
-    attempt_budget = Outage(budget_s=min(outage.budget_s, 3 * timeout_s))
-    try:
-        await retrying(lambda: msg.ack_sync(timeout=timeout_s), what="an ack", outage=attempt_budget)
-    except BusUnavailable as exc:
-        outage.unconfirmed_acks += 1
-        log.warning("ack_unconfirmed", subject=msg.subject, left_to="redelivery", error=str(exc))
-        return False
-    return True
+    """Ack ``msg`` and wait for the server's confirmation, sending it again while the connection drops and comes
+    back (for a few seconds); if it cannot be confirmed, leave it to redelivery (logged, counted) instead of
+    failing: whoever consumes the stream recognises a message it handled already. True when confirmed.
+
+    An ack that times out on a connection that stayed up was heard and left unanswered (a restarted server
+    does that for deliveries made before its restart, seen in the outage tests); sending it again changed
+    nothing there, so it is left to redelivery at once rather than after the whole budget."""
+    budget_s = min(outage.budget_s, 3 * timeout_s)
+    started = time.monotonic()
+    while True:
+        drops, was_up = outage.outages, outage.down_since is None
+        try:
+            await attempt(lambda: msg.ack_sync(timeout=timeout_s), timeout_s + STUCK_ATTEMPT_MARGIN_S, outage)
+            return True
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            timed_out = isinstance(exc, asyncio.TimeoutError)  # nats-py's TimeoutError is one too
+            heard = timed_out and was_up and outage.down_since is None and outage.outages == drops
+            if heard or time.monotonic() - started + FIRST_BACKOFF_S > budget_s:
+                outage.unconfirmed_acks += 1
+                log.warning(
+                    "ack_unconfirmed",
+                    subject=msg.subject,
+                    left_to="redelivery",
+                    error=describe(exc),
+                    why="not answered on a live connection" if heard else f"not confirmed within {budget_s:g} s",
+                )
+                return False
+            outage.retries += 1
+            await asyncio.sleep(FIRST_BACKOFF_S)
 
 
 class ResilientPullSubscription:
@@ -210,8 +273,8 @@ class ResilientPullSubscription:
     async def fetch(self, batch: int = 1, timeout: float | None = 5) -> list[Msg]:
         try:
             # bounded like a request attempt (STUCK_ATTEMPT_MARGIN_S): a stuck fetch reads as "nothing yet"
-            msgs = await asyncio.wait_for(
-                self._inner.fetch(batch, timeout=timeout), (timeout or 5) + STUCK_ATTEMPT_MARGIN_S
+            msgs = await attempt(
+                lambda: self._inner.fetch(batch, timeout=timeout), (timeout or 5) + STUCK_ATTEMPT_MARGIN_S, self._outage
             )
         except asyncio.TimeoutError:
             # An idle consumer and a dead server look the same here: the connection's state tells them apart.
@@ -252,9 +315,10 @@ class ResilientJetStream(JetStreamContext):
         self.outage = outage
 
     def _bounded(self, op: Callable[[], Awaitable[T]], timeout: float | None) -> Callable[[], Awaitable[T]]:
-        """``op`` as an attempt that ends (``asyncio.TimeoutError``: retried) at most a margin after ``timeout``."""
+        """``op`` as an :func:`attempt` that ends (``asyncio.TimeoutError``: retried) at most a margin after
+        ``timeout``, or when the connection comes back from under it."""
         limit = (timeout or self._timeout) + STUCK_ATTEMPT_MARGIN_S
-        return lambda: asyncio.wait_for(op(), limit)
+        return lambda: attempt(op, limit, self.outage)
 
     async def publish(  # type: ignore[override]
         self,

@@ -100,7 +100,9 @@ class Cluster:
     def log(self, name: str) -> str:
         return (self.run_dir / f"{name}.log").read_text(errors="replace")
 
-    def wait_for(self, predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    def wait_for(self, predicate: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.5) -> None:
+        """Wait until ``predicate()`` holds, failing on an actor that died (not of SIGKILL) meanwhile; ``poll_s``
+        small where the test must act within a step or two of the moment (a tiny run's step takes ~50 ms)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if predicate():
@@ -111,7 +113,7 @@ class Cluster:
                     raise AssertionError(
                         f"{name} exited with {code} while waiting for {what}:\n{self.log(name)[-3000:]}"
                     )
-            time.sleep(0.5)
+            time.sleep(poll_s)
         tails = "\n".join(f"--- {n}\n{self.log(n)[-1500:]}" for n in self.procs)
         raise AssertionError(f"timed out after {timeout_s}s waiting for {what}\n{tails}")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -52,59 +53,88 @@ def _finish(cluster: Cluster, url: str, killed: tuple[str, ...] = (), timeout_s:
     check_stream_accounting(cluster, record)
 
 
-@pytest.mark.xfail(
-    reason="timing-dependent (issue 11, open): on a quiet machine the 8-step run can outpace the outages, "
-    "so no actor logs a reconnect or a retry; the run and its accounting are still checked before that",
-    strict=False,
-)
+def _kill_mid_run(cluster: Cluster, server: EmbeddedNats, after_steps: int, outage_s: float) -> int:
+    """SIGKILL the server as soon as ``after_steps`` steps are in metrics.jsonl (a tiny run's step takes ~50 ms on
+    a quiet machine: looked at every 20 ms), keep it down ``outage_s`` seconds, restart it. The run must still
+    be going when the server dies, or the outage tests nothing. Returns the steps recorded at the kill."""
+    cluster.wait_for(lambda: cluster.steps_recorded() >= after_steps, 240, f"{after_steps} steps", poll_s=0.02)
+    server.kill()
+    recorded = cluster.steps_recorded()
+    assert recorded < cluster.cfg.trainer.steps and not (cluster.run_dir / "summary.json").exists(), (
+        f"the run ended before the outage ({recorded} steps recorded): it must straddle it"
+    )
+    time.sleep(outage_s)
+    server.start_sync()
+    return recorded
+
+
 def test_the_only_server_killed_and_restarted_twice(tmp_path: Path, model_cache: Path) -> None:
-    """Outages of 2 s and 15 s: every actor waits (retries within bus.outage_budget_s) and the run completes."""
+    """Outages of 2 s and 15 s, each triggered by the run's progress (steps recorded), not by the clock, and
+    checked to fall inside the run: every actor reconnects twice, waits (retries within bus.outage_budget_s)
+    and the run completes with its accounting right."""
     server = EmbeddedNats(tmp_path / "bus", port=free_port())
     server.start_sync()
-    cfg = _run("outage", model_cache)
+    # 14 steps: the second outage comes at step 7 (10 at most), four or more steps before the end.
+    cfg = _run("outage", model_cache, **{"trainer.steps": 14, "eval.every": 7})
     cluster = Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=server.url)
     try:
         cluster.start_all()
-        after_steps = 2
-        for outage_s in (2.0, 15.0):
-            cluster.wait_for(lambda n=after_steps: cluster.steps_recorded() >= n, 240, f"{after_steps} steps")
-            server.kill()
-            time.sleep(outage_s)
-            server.start_sync()
-            # The next outage comes once the run has moved on again. (A second kill about 1 s after a restart
-            # has twice left the controller waiting for good: a known bug, see docs/deploy.md.)
-            after_steps = min(cluster.steps_recorded() + 2, cfg.trainer.steps - 2)
+        recorded = _kill_mid_run(cluster, server, after_steps=2, outage_s=2.0)
+        # The second outage comes once the run has moved on two steps. (A second kill about 1 s after a restart
+        # twice left the controller waiting for good in an earlier version: see docs/deploy.md.)
+        _kill_mid_run(cluster, server, after_steps=min(max(7, recorded + 2), cfg.trainer.steps - 4), outage_s=15.0)
         _finish(cluster, server.url)
     finally:
         cluster.stop()
         server.stop_sync()
-    logs = "".join(cluster.log(n) for n in cluster.procs)
-    assert "nats_reconnected" in logs and "bus_retrying" in logs  # the outages were felt, and ridden out
+    for name in cluster.procs:  # each outage was felt by every actor, and ridden out
+        assert cluster.log(name).count("nats_reconnected") >= 2, f"{name} did not reconnect after both outages"
+    assert "bus_retrying" in "".join(cluster.log(n) for n in cluster.procs)
+    _nothing_refused(cluster)
 
 
-@pytest.mark.xfail(
-    reason="known defect (issue 11, open): in about half the quiet runs the summary's final evaluation differs "
-    "from the streams' after the used node is lost, or no actor logs a reconnect; the run itself completes",
-    strict=False,
-)
+def _nothing_refused(cluster: Cluster) -> None:
+    """An outage makes copies (redeliveries, publishes sent again), never forgeries: each copy is dropped by
+    message id or recognised, none refused as untrusted."""
+    refused = cluster.summary()["refused"]
+    assert refused == {}, f"refused after the outages: {refused}"
+
+
 def test_a_cluster_node_lost_twice(tmp_path: Path, model_cache: Path) -> None:
     """A fresh 3-node cluster with R3 streams, every actor started at once (each creates the streams on an
-    open bus); first a node no actor is connected to is killed, then the one most actors use. Each comes
-    back after a while (one node at a time: the streams keep their quorum)."""
+    open bus); first a node no actor is connected to is killed, then the one most actors use, each at a step
+    of the run (looked at every 20 ms: a step can take ~50 ms) and checked to fall inside it. Each comes back
+    after a while (one node at a time: the streams keep their quorum)."""
     nats = NatsCluster(tmp_path / "cluster").start()
-    cfg = _run("nodes", model_cache, **{"bus.replicas": 3})
+    cfg = _run("nodes", model_cache, **{"bus.replicas": 3, "trainer.steps": 12, "eval.every": 6})
     # Actors are given nodes 0 and 1: node 2 is one they do not use (they learn of it, but stay put).
     cluster = Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=f"{nats.node_url(0)},{nats.node_url(1)}")
+
+    def at_step(n: int, what: str) -> None:
+        cluster.wait_for(lambda: cluster.steps_recorded() >= n, 240, what, poll_s=0.02)
+
+    def still_running(what: str) -> None:
+        assert not (cluster.run_dir / "summary.json").exists(), f"the run ended before {what}: it must straddle it"
+
     try:
         cluster.start_all()
-        cluster.wait_for(lambda: cluster.steps_recorded() >= 2, 240, "2 steps")
+        at_step(2, "2 steps")
         nats.kill(2)
-        cluster.wait_for(lambda: cluster.steps_recorded() >= 3, 240, "a step without node 2")
-        nats.restart(2)
+        still_running("node 2 was lost")
+        at_step(3, "a step without node 2")
+        # Node 2 comes back (caught up: its /healthz) while the run is held, the trainer paused: under load that
+        # can take longer than the rest of a tiny run, and the used node must be lost mid-run.
+        trainer = cluster.procs["trainer-0"]
+        trainer.send_signal(signal.SIGSTOP)
+        try:
+            nats.restart(2)
+        finally:
+            trainer.send_signal(signal.SIGCONT)
         used = max((0, 1), key=lambda i: nats.nodes[i].varz().get("connections", 0))
-        cluster.wait_for(lambda: cluster.steps_recorded() >= 4, 240, "4 steps")
+        at_step(cluster.steps_recorded() + 1, "a step with node 2 back")
         nats.kill(used)
-        cluster.wait_for(lambda: cluster.steps_recorded() >= 6, 240, f"2 steps without node {used}")
+        still_running(f"node {used} was lost")
+        at_step(cluster.steps_recorded() + 2, f"2 steps without node {used}")
         nats.restart(used)
         _finish(cluster, nats.url)
     finally:
@@ -112,6 +142,7 @@ def test_a_cluster_node_lost_twice(tmp_path: Path, model_cache: Path) -> None:
         nats.stop()
     logs = "".join(cluster.log(n) for n in cluster.procs)
     assert "nats_reconnected" in logs  # actors on the killed node moved to the other one
+    _nothing_refused(cluster)
 
 
 async def test_every_actor_creating_the_streams_at_once_on_a_fresh_cluster(tmp_path: Path) -> None:

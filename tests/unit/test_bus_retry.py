@@ -137,3 +137,83 @@ async def test_an_attempt_stuck_past_its_timeout_is_abandoned_and_sent_again(
     monkeypatch.setattr(JetStreamContext, "get_msg", first_call_hangs)
     msg = await js.get_msg("S", seq=1, direct=True)
     assert stuck.is_set() and msg.data == b"x" and js.outage.retries == 1
+
+
+async def test_a_request_cut_off_by_a_reconnect_is_sent_again_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request whose reply went down with the old connection is sent again when the connection is back, not
+    after its own timeout (60 s here: the guard below would end the test long before)."""
+    server = EmbeddedNats(tmp_path / "bus", port=free_port())
+    await server.start()
+    outage = Outage(budget_s=30.0)
+    nc = await connect(server.url, name="cut", outage=outage)
+    try:
+        js = resilient_jetstream(nc, outage, timeout=60.0)
+        await js.add_stream(name="C", subjects=["c.>"], allow_direct=True)
+        await js.publish("c.a", b"x")
+        real_get = JetStreamContext.get_msg
+        calls: list[str] = []
+
+        async def first_call_lost(self: JetStreamContext, *args: object, **kwargs: object) -> object:
+            if not calls:
+                calls.append("lost")
+                try:
+                    await asyncio.Event().wait()  # its reply never comes
+                except asyncio.CancelledError:
+                    calls.append("abandoned")
+                    raise
+            calls.append("sent again")
+            return await real_get(self, *args, **kwargs)
+
+        monkeypatch.setattr(JetStreamContext, "get_msg", first_call_lost)
+        reading = asyncio.create_task(js.get_msg("C", seq=1, direct=True))
+        while not calls:
+            await asyncio.sleep(0.01)
+        server.kill()
+        await asyncio.sleep(0.5)
+        await asyncio.to_thread(server.start_sync)
+        msg = await asyncio.wait_for(reading, 20.0)
+        assert msg.data == b"x" and calls == ["lost", "abandoned", "sent again"] and outage.outages == 1
+    finally:
+        await nc.close()
+        server.stop_sync()
+
+
+class _Delivery:
+    """A delivered message whose ack the server answers only from the ``answered_from``-th try on."""
+
+    subject = "t.traj"
+
+    def __init__(self, answered_from: int | None) -> None:
+        self.answered_from = answered_from
+        self.tries = 0
+
+    async def ack_sync(self, timeout: float) -> None:
+        self.tries += 1
+        if self.answered_from is None or self.tries < self.answered_from:
+            await asyncio.Event().wait()  # no answer (nats-py times the request out)
+
+
+async def test_an_ack_not_answered_on_a_live_connection_is_left_to_redelivery_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server heard it (the connection stayed up) and does not answer: sending it again changes nothing."""
+    monkeypatch.setattr(retry, "STUCK_ATTEMPT_MARGIN_S", 0.05)
+    outage = Outage(budget_s=30.0)
+    delivery = _Delivery(answered_from=None)
+    assert await retry.ack_or_redeliver(delivery, outage, timeout_s=0.05) is False  # type: ignore[arg-type]
+    assert delivery.tries == 1 and outage.unconfirmed_acks == 1
+
+
+async def test_an_ack_cut_off_by_a_reconnect_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(retry, "STUCK_ATTEMPT_MARGIN_S", 30.0)
+    outage = Outage(budget_s=30.0)
+    delivery = _Delivery(answered_from=2)
+    acking = asyncio.create_task(retry.ack_or_redeliver(delivery, outage, timeout_s=30.0))  # type: ignore[arg-type]
+    while not delivery.tries:
+        await asyncio.sleep(0.01)
+    outage.disconnected()
+    outage.reconnected()
+    assert await asyncio.wait_for(acking, 5.0) is True
+    assert delivery.tries == 2 and outage.unconfirmed_acks == 0

@@ -180,3 +180,41 @@ def test_checksum_is_xxh3_128_and_incremental() -> None:
     for part in (b"ab", b"", b"c"):
         h.update(part)
     assert h.hexdigest() == digest(b"abc") and len(digest(b"abc")) == 32
+
+
+async def test_requests_lost_with_a_replica_are_sent_again_and_a_second_answer_is_dropped() -> None:
+    """A direct get taken by a replica that then went down is never answered: the fetch sends again what is in
+    flight; the first answer is placed, a late second one dropped, and each chunk counted once."""
+    conn, getter, dest, transport = _setup([10, 10, 10])
+    assert transport.written.count(b"PUB ") == 2  # window 2: chunks 0 and 1 in flight
+    rng = random.Random(0)
+    _feed(conn, _reply(1, b"b" * 10), rng, 7)  # chunk 0's request was lost; chunk 2's goes out
+    assert getter.resend() == 2  # chunks 0 and 2, nothing answered yet
+    assert transport.written.count(b'{"seq":10}') == 2 and transport.written.count(b'{"seq":11}') == 1
+    _feed(conn, _reply(0, b"a" * 10), rng, 7)
+    _feed(conn, _reply(2, b"c" * 10), rng, 7)
+    assert getter.done.done() and getter.done.exception() is None
+    _feed(conn, _reply(2, b"X" * 10), rng, 7)  # the second answer of a re-sent request
+    assert bytes(dest) == b"a" * 10 + b"b" * 10 + b"c" * 10 and getter.completed == 3
+
+
+async def test_a_server_gone_during_the_handshake_is_a_bus_error() -> None:
+    """A node killed between its INFO and our CONNECT: a BusError (the data plane falls back), not uvloop's
+    RuntimeError of a write on a closed transport, which killed a worker."""
+    from miles.bus.rawfetch import Endpoint, _open
+
+    async def info_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b'INFO {"server_id":"x","max_payload":1048576}\r\n')
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(info_then_close, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        for _ in range(5):  # whichever the loop sees first, the INFO or the close, the answer is a BusError
+            endpoint = Endpoint("127.0.0.1", port, None, None, lambda info: {}, "t")
+            with pytest.raises(BusError):
+                await _open(endpoint, b"_INBOX.t", 2.0)
+    finally:
+        server.close()
+        await server.wait_closed()
