@@ -68,7 +68,8 @@ __all__ = ["AdmissionState", "Controller", "admission_limit"]
 
 KEY_CONTROLLER_SEEN = "controller_seen"  # JSON {"events": seq, "metrics": seq}: how far the live readers got
 KEEP_VERSIONS = 256  # version -> step entries remembered live (lags of workers a few versions behind)
-VERSION_WAIT_S = 10.0  # how long a step report or trainer_done may overtake its announcement
+VERSION_WAIT_S = 10.0  # how long (connected) a step report or trainer_done may overtake its announcement
+ANNOUNCE_POLL_S = 0.5  # how often that wait looks at the connection
 WORKER_TIMEOUT_S = 60.0  # a rollout worker unheard of for this long is no longer live
 
 Handler = Callable[[RawStreamMsg, bool], Awaitable[None]]
@@ -423,12 +424,24 @@ class Controller(Actor):
             await self.evals.request(ann.version)
 
     async def _announced(self, version: int) -> None:
-        """Wait (bounded) for ``version``'s announcement: a step report can overtake it (two readers)."""
+        """Wait (bounded) for ``version``'s announcement: a step report can overtake it (two readers).
+
+        The clock runs only while connected: an outage that starts after the report was read holds the
+        announcement back for as long as it lasts (the report would otherwise be refused as never announced),
+        so the wait is ``VERSION_WAIT_S`` of connected time, at most that plus ``bus.outage_budget_s`` in all.
+        """
+        deadline = time.monotonic() + VERSION_WAIT_S + self.cfg.bus.outage_budget_s
+        connected_s = 0.0
         async with self._version_changed:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(
-                    self._version_changed.wait_for(lambda: self.trainer_version >= version), VERSION_WAIT_S
-                )
+            while self.trainer_version < version and connected_s < VERSION_WAIT_S and time.monotonic() < deadline:
+                connected = self.bus.nc.is_connected
+                started = time.monotonic()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(
+                        self._version_changed.wait_for(lambda: self.trainer_version >= version), ANNOUNCE_POLL_S
+                    )
+                if connected and self.bus.nc.is_connected:
+                    connected_s += time.monotonic() - started
 
     async def _initial_eval(self, version: int, done: asyncio.Event) -> None:
         """Evaluate the initial policy before any prompt goes out, so eval_before is exactly its accuracy
