@@ -94,11 +94,13 @@ def test_monitor_json_prometheus_and_plots(tmp_path: Path, server: EmbeddedNats)
             assert isinstance(w["version"], int) and w["version"] >= 0
             assert isinstance(w["step"], int) and isinstance(w["lag"], int)
             assert w["lag"] == snap["trainer_step"] - w["step"] and 0 <= w["lag"] <= snap["trainer_step"]
-            # Single-turn arithmetic: one turn and one end reason per episode, a healthy engine.
-            assert w["episodes"] > 0 and w["turns_per_episode"] == 1.0
-            assert sum(w["end_reasons"].values()) == w["episodes"]
             assert w["infra_errors"] == 0 and not w["engine_error"] and w["engine_load_failures"] == 0
-            assert 0 < w["length_mean"] <= cfg.rollout.sampling.max_new_tokens
+            assert sum(w["end_reasons"].values()) == w["episodes"]
+            if w["episodes"]:  # a worker may not have pulled a group yet in two steps (the other took them)
+                # Single-turn arithmetic: one turn and one end reason per episode.
+                assert w["turns_per_episode"] == 1.0
+                assert 0 < w["length_mean"] <= cfg.rollout.sampling.max_new_tokens
+        assert snap["rollout_episodes"]["episodes"] > 0
         assert snap["rollout_episodes"]["episodes"] == sum(w["episodes"] for w in snap["workers"].values())
         assert snap["engine_errors"] == []
         hist = snap["staleness_histogram"]
