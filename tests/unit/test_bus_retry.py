@@ -17,6 +17,14 @@ from miles.bus.retry import Outage, is_transient, resilient_jetstream, retrying
 from miles.bus.server import EmbeddedNats
 
 
+async def connected_server(tmp_path: Path, name: str, budget_s: float) -> tuple[EmbeddedNats, Outage, Client]:
+    """A started server that can be killed and restarted, and a client riding out its outages."""
+    server = EmbeddedNats(tmp_path / "bus", port=free_port())
+    await server.start()
+    outage = Outage(budget_s=budget_s)
+    return server, outage, await connect(server.url, name=name, outage=outage)
+
+
 @pytest.mark.parametrize(
     ("exc", "transient"),
     [
@@ -72,10 +80,7 @@ async def test_past_the_budget_one_line_says_what_was_waited_for() -> None:
 
 
 async def test_a_publish_rides_out_a_server_restart_and_is_stored_once(tmp_path: Path) -> None:
-    server = EmbeddedNats(tmp_path / "bus", port=free_port())
-    await server.start()
-    outage = Outage(budget_s=30.0)
-    nc = await connect(server.url, name="restart", outage=outage)
+    server, outage, nc = await connected_server(tmp_path, "restart", 30.0)
     try:
         js = resilient_jetstream(nc, outage, timeout=1.0)
         await js.add_stream(name="R", subjects=["r.>"])
@@ -99,10 +104,7 @@ async def test_a_publish_rides_out_a_server_restart_and_is_stored_once(tmp_path:
 
 
 async def test_a_server_that_stays_away_ends_the_call_past_the_budget(tmp_path: Path) -> None:
-    server = EmbeddedNats(tmp_path / "bus", port=free_port())
-    await server.start()
-    outage = Outage(budget_s=1.0)
-    nc = await connect(server.url, name="gone", outage=outage)
+    server, outage, nc = await connected_server(tmp_path, "gone", 1.0)
     try:
         js = resilient_jetstream(nc, outage, timeout=0.3)
         await js.add_stream(name="G", subjects=["g.>"])
@@ -144,10 +146,7 @@ async def test_a_request_cut_off_by_a_reconnect_is_sent_again_at_once(
 ) -> None:
     """A request whose reply went down with the old connection is sent again when the connection is back, not
     after its own timeout (60 s here: the guard below would end the test long before)."""
-    server = EmbeddedNats(tmp_path / "bus", port=free_port())
-    await server.start()
-    outage = Outage(budget_s=30.0)
-    nc = await connect(server.url, name="cut", outage=outage)
+    server, outage, nc = await connected_server(tmp_path, "cut", 30.0)
     try:
         js = resilient_jetstream(nc, outage, timeout=60.0)
         await js.add_stream(name="C", subjects=["c.>"], allow_direct=True)
