@@ -5,6 +5,7 @@ miles prepare recipes/quickstart.yaml    # check the task, build the model (done
 miles config recipes/quickstart.yaml --set trainer.lr=1e-3
 miles bus --run-dir runs/shared          # an embedded nats-server for miles-node processes
 miles top --nats-url nats://host:4222 -c recipes/quickstart.yaml   # live monitor
+miles creds --run myrun --out runs/myrun/auth --hostname nats.example.org   # per-role credentials
 """
 
 from __future__ import annotations
@@ -57,10 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument(
         "--prometheus-port", type=int, metavar="PORT", help="Serve Prometheus /metrics on PORT (0: any free port)."
     )
+    # Listed for --help only: main() hands everything after `creds` to its own parser (miles.security.cli).
+    sub.add_parser("creds", help="Generate a run's per-role NATS credentials, TLS and signing keys (docs/security.md).")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["creds"]:
+        from miles.security.cli import main_creds
+
+        return main_creds(argv[1:])
     args = build_parser().parse_args(argv)
     from miles.logs import configure_logging
 

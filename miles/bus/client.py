@@ -27,7 +27,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
-from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError
 from nats.js.errors import NotFoundError as JsNotFoundError
 from nats.js.kv import KeyValue
 
@@ -298,12 +298,20 @@ class Bus:
         Only "absent" becomes None. A timeout, a lost connection or any other error is raised: read as
         absent it would make, e.g., a restarted controller reset its admission state and re-issue group ids
         the trainer already trained.
+
+        A leader read (``STREAM.MSG.GET``), not nats-py's direct get: with replicas a direct get may be
+        answered by a follower that has not applied the newest put yet (after a leader change, 1-7% of
+        reads right after a put, measured), and a stale issue window made the trainer refuse trajectories
+        of groups the controller had issued, whose admission credit was then lost: the run stalled.
         """
+        bucket = self.subjects.state_bucket
         try:
-            entry = await self.kv.get(key)
-        except (KeyNotFoundError, KeyDeletedError):
+            msg = await self.js.get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}")
+        except JsNotFoundError:
             return None
-        return entry.value or None
+        if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
+            return None
+        return msg.data or None
 
     async def get_int(self, key: str, default: int) -> int:
         value = await self.get_bytes(key)

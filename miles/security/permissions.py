@@ -193,10 +193,10 @@ def _msg_get(*streams: str) -> list[str]:
 
 
 def _kv_read(*buckets: str) -> list[str]:
-    """``js.key_value(bucket)`` (stream info) and ``kv.get``, a direct get by key: buckets are made with
-    ``direct=True`` (without it nats-py reads with ``STREAM.MSG.GET``, which is not granted)."""
+    """``js.key_value(bucket)`` (stream info), ``kv.get`` (a direct get by key: buckets are made with
+    ``direct=True``) and the leader read by key that ``Bus.get_bytes`` makes (consistent with the last put)."""
     streams = [kv_stream(b) for b in buckets]
-    return [*_info(*streams), *_direct_last(*streams)]
+    return [*_info(*streams), *_direct_last(*streams), *_msg_get(*streams)]
 
 
 def _ordered_consumer(*streams: str) -> list[str]:
@@ -263,8 +263,10 @@ def _trainer(n: RunNames, inbox: str, compat: bool) -> Permissions:
         n.dead_letters("trainer"),
         s.teacher_score,  # on-policy distillation: requests to the teacher actors (core request/reply)
         *_pull(s.traj_stream, s.TRAINER_CONSUMER),
-        # a restarted trainer reads its own announcements and discards, and the batches of lost steps
+        # a restarted trainer reads its own announcements and discards, and the batches of lost steps (direct
+        # gets; the leader confirms the end, and has what a lagging replica does not yet)
         *_direct(s.traj_stream, s.events_stream),
+        *_msg_get(s.traj_stream, s.events_stream),
         # the data plane's writer: stream info lists stored versions, purge drops old ones
         *_info(n.weights_stream, n.delta_stream),
         *[f"{API}.STREAM.PURGE.{st}" for st in (n.weights_stream, n.delta_stream)],
@@ -286,9 +288,11 @@ def _controller(n: RunNames, inbox: str, compat: bool) -> Permissions:
         f"$KV.{n.runinfo_bucket}.>",
         s.heartbeat("controller", "*"),
         n.dead_letters("controller"),
-        # its own state, rebuilt at every start by reading EVENTS and METRICS in order (direct gets)
+        # its own state, rebuilt at every start by reading EVENTS and METRICS in order (direct gets, the end
+        # confirmed by a leader read)
         *_direct(s.events_stream, s.metrics_stream),
         *_direct_last(s.events_stream),
+        *_msg_get(s.events_stream, s.metrics_stream),
         # an announced version is believed only if the data plane holds it: its manifest, by leader read
         *_msg_get(n.weights_stream, n.delta_stream),
         # queue depths (admission) and the run's dead-letter count

@@ -26,7 +26,7 @@ import structlog
 from nats.js.api import RawStreamMsg
 
 from miles.bus.client import Bus
-from miles.bus.follow import next_message
+from miles.bus.follow import message_at, stored_messages
 from miles.bus.schema import GroupsDiscarded, Trajectory, WeightsAnnounced, decode
 
 log = structlog.get_logger(__name__)
@@ -54,13 +54,9 @@ class RecoveryPlan:
 
 
 async def _read_subject(bus: Bus, subject: str, after_seq: int) -> list[RawStreamMsg]:
-    """Every message of ``subject`` in EVENTS with a stream sequence above ``after_seq`` (direct gets)."""
-    out: list[RawStreamMsg] = []
-    seq = after_seq
-    while (msg := await next_message(bus.js, bus.subjects.events_stream, subject, seq)) is not None:
-        out.append(msg)
-        seq = msg.seq or seq + 1
-    return out
+    """Every message of ``subject`` in EVENTS with a stream sequence above ``after_seq`` (direct gets, the end
+    confirmed by the leader: a lagging replica must not hide a lost step's announcement)."""
+    return [msg async for msg in stored_messages(bus.js, bus.subjects.events_stream, subject, after_seq)]
 
 
 async def read_history(bus: Bus, after_seq: int) -> TrainerHistory:
@@ -104,6 +100,6 @@ async def fetch_batch(bus: Bus, seqs: list[int]) -> list[Trajectory]:
     """The trajectories at these TRAJ stream sequences (a replayed step's batch)."""
     out = []
     for seq in seqs:
-        raw = await bus.js.get_msg(bus.subjects.traj_stream, seq, direct=True)
+        raw = await message_at(bus.js, bus.subjects.traj_stream, seq)
         out.append(decode(raw.data, Trajectory))
     return out

@@ -106,12 +106,6 @@ def applied_versions(cluster: Cluster, name: str) -> list[int]:
     return [json.loads(line)["version"] for line in cluster.log(name).splitlines() if '"weights_applied"' in line]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known intermittent defect (issue 11, open): in one full-suite run (2026-12-01 19:01) the run stalled "
-    "for the whole 180 s wait after the lost hub node came back (version 9 published, then no actor logged "
-    "anything); cause not found; it passed 3 of 3 runs alone",
-)
 def test_a_remote_fleet_through_a_leaf_node_survives_a_lost_hub_node_and_a_cut_link(
     tmp_path: Path, model_cache: Path
 ) -> None:

@@ -144,3 +144,16 @@ def test_config_refuses_two_ways_to_log_in(bundle: Path) -> None:
     with pytest.raises(ValueError, match="replaces bus.creds"):
         MergedBusConfig(credentials_dir=str(bundle), creds="x.creds")
     MergedBusConfig(creds="x.creds")
+
+
+def test_miles_creds_is_a_miles_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`miles creds ...`, as the README and docs/security.md write it (it was documented but not wired)."""
+    from miles.cli import build_parser, main
+
+    assert "creds" in build_parser().format_help()
+    out = tmp_path / "auth"
+    assert main(["creds", "--run", RUN, "--out", str(out), "--hostname", "h1"]) == 0
+    assert (out / "trainer").is_dir() and (out / "server" / "server.conf").is_file()
+    capsys.readouterr()
+    assert main(["creds", "--run", RUN, "--out", str(out)]) == 2  # exists: refused, one line
+    assert capsys.readouterr().err.startswith("miles creds: ")

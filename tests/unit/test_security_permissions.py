@@ -47,7 +47,7 @@ def test_heartbeats_and_dead_letters_only_under_the_own_role(role: str) -> None:
 
 
 def test_the_monitor_sends_only_read_requests() -> None:
-    read_only = re.compile(r"^\$JS\.API\.(STREAM\.INFO|CONSUMER\.INFO|DIRECT\.GET)\.")
+    read_only = re.compile(r"^\$JS\.API\.(STREAM\.INFO|CONSUMER\.INFO|DIRECT\.GET|STREAM\.MSG\.GET)\.")
     assert [s for s in publishes("monitor") if not read_only.match(s)] == []
     assert role_permissions(RUN, "monitor").publish_deny == ()
 
