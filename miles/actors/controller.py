@@ -97,6 +97,7 @@ class Controller(Actor):
         self.trainer_step = 0
         self.version_steps: OrderedDict[int, int] = OrderedDict()  # announced version -> its lineage step
         self._version_changed = asyncio.Condition()
+        self._versions_idle = asyncio.Event()  # set while the announcement reader has read all there is
         self._eval_recorded = asyncio.Condition()  # notified when an EvalResult read from METRICS is recorded
         self.workers: dict[str, Heartbeat] = {}  # live rollout workers' latest heartbeats
         self.peers: dict[str, Heartbeat] = {}  # every other actor's latest heartbeat (their refusal counts)
@@ -375,7 +376,10 @@ class Controller(Actor):
     async def _follow_versions(self, done: asyncio.Event) -> None:
         """Take the trainer's version from its announcements, newest first, then every new one in order."""
         s = self.bus.subjects
-        async for raw in follow(self.bus.nc, self.bus.js, s.events_stream, s.weights, done, start="last"):
+        versions = follow(
+            self.bus.nc, self.bus.js, s.events_stream, s.weights, done, start="last", idle=self._versions_idle
+        )
+        async for raw in versions:
             ann = await self.bus.accept(raw, WeightsAnnounced)
             if ann is None or ann.version <= self.trainer_version:
                 continue  # refused, or a version seen already (a replayed older announcement changes nothing)
@@ -426,22 +430,25 @@ class Controller(Actor):
     async def _announced(self, version: int) -> None:
         """Wait (bounded) for ``version``'s announcement: a step report can overtake it (two readers).
 
-        The clock runs only while connected: an outage that starts after the report was read holds the
-        announcement back for as long as it lasts (the report would otherwise be refused as never announced),
-        so the wait is ``VERSION_WAIT_S`` of connected time, at most that plus ``bus.outage_budget_s`` in all.
+        The clock runs only while connected and while the announcement reader has read everything there is
+        (``_versions_idle``): an outage, or a leader election that the reader's requests (or its data-plane
+        check of an announcement it holds) retry through, holds the announcement back for as long as it
+        lasts; the report would otherwise be refused as never announced (it was, once: a hub node lost while
+        the reader checked version 8's manifest). So the wait is ``VERSION_WAIT_S`` of such time, at most
+        that plus ``bus.outage_budget_s`` in all.
         """
         deadline = time.monotonic() + VERSION_WAIT_S + self.cfg.bus.outage_budget_s
-        connected_s = 0.0
+        waited_s = 0.0
         async with self._version_changed:
-            while self.trainer_version < version and connected_s < VERSION_WAIT_S and time.monotonic() < deadline:
-                connected = self.bus.nc.is_connected
+            while self.trainer_version < version and waited_s < VERSION_WAIT_S and time.monotonic() < deadline:
+                counts = self.bus.nc.is_connected and self._versions_idle.is_set()
                 started = time.monotonic()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(
                         self._version_changed.wait_for(lambda: self.trainer_version >= version), ANNOUNCE_POLL_S
                     )
-                if connected and self.bus.nc.is_connected:
-                    connected_s += time.monotonic() - started
+                if counts and self.bus.nc.is_connected and self._versions_idle.is_set():
+                    waited_s += time.monotonic() - started
 
     async def _initial_eval(self, version: int, done: asyncio.Event) -> None:
         """Evaluate the initial policy before any prompt goes out, so eval_before is exactly its accuracy

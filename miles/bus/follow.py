@@ -87,6 +87,7 @@ async def follow(
     start: Start = "last",
     poll_s: float = 1.0,
     after_seq: int | None = None,
+    idle: asyncio.Event | None = None,
 ) -> AsyncIterator[RawStreamMsg]:
     """Every message stored on ``subject`` in ``stream``, in stream order, until ``done`` is set.
 
@@ -94,6 +95,10 @@ async def follow(
     subject, like the announcements); ``"first"`` with the oldest still stored; ``after_seq`` (which
     overrides ``start``) with the first one after that stream sequence (a reader that has read
     everything up to it, :func:`stored_messages`).
+
+    ``idle``, if given, is set only while the reader has found nothing new and waits: clear while it
+    reads (a request that retries through an outage included) and while the caller handles a message.
+    "Not read yet" means "not there" only while it is set.
     """
     wake = asyncio.Event()
 
@@ -128,9 +133,17 @@ async def follow(
                 await asyncio.sleep(0.05)
                 continue
             looked_again = False
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(_first(wake, done), timeout=poll_s)
+            if idle is not None:
+                idle.set()
+            try:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(first_of(wake, done), timeout=poll_s)
+            finally:
+                if idle is not None:
+                    idle.clear()
     finally:
+        if idle is not None:
+            idle.clear()
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
 
@@ -154,7 +167,7 @@ async def stored_messages(
         yield msg
 
 
-async def _first(*events: asyncio.Event) -> None:
+async def first_of(*events: asyncio.Event) -> None:
     """Return as soon as one of ``events`` is set."""
     waiters = [asyncio.ensure_future(e.wait()) for e in events]
     try:
