@@ -45,6 +45,8 @@ from miles.sync.transport.broadcast import BroadcastReceiver, WeightUpdateGroup
 from miles.sync.transport.fs import FsTransport, fs_root
 from miles.tasks.base import Sample, Task
 
+REPORTED_KEEP = 256  # reported versions remembered (a group in flight uses versions far newer than the oldest)
+
 
 class RolloutWorker(Actor):
     role = "rollout"
@@ -56,7 +58,10 @@ class RolloutWorker(Actor):
         super().__init__(*args, **kwargs)
         self.weight_group_rank = weight_group_rank  # sync.transport 'broadcast': this worker's rank in the group
         self.stats = RolloutStats()
-        self._reported_version = -1  # newest version announced to the controller as held (WeightsHeld)
+        # Versions reported to the controller as held (WeightsHeld), the newest REPORTED_KEEP. A set, not the
+        # newest one: a version switched in and out within one group is reported when that group's trajectory
+        # goes out, after the idle reporter may have reported a newer one.
+        self._reported: set[int] = set()
         # One reporter at a time: a trajectory may go out only once its versions' reports are *stored*, not
         # merely claimed by the other reporter whose publish is still in flight (found by tests/conformance).
         self._report_lock = asyncio.Lock()
@@ -229,7 +234,7 @@ class RolloutWorker(Actor):
         async with self._report_lock:
             for version in sorted({*used, self.engine.version}):
                 held = self.follower.staged_versions.get(version)
-                if version <= self._reported_version or held is None:
+                if version in self._reported or held is None:
                     continue
                 report = WeightsHeld(
                     worker_id=self.actor_id,
@@ -240,7 +245,9 @@ class RolloutWorker(Actor):
                     pause_s=self.engine.last_pause_s,
                 )
                 await self.bus.publish(self.bus.subjects.weights_held, report)
-                self._reported_version = version
+                self._reported.add(version)
+                if len(self._reported) > REPORTED_KEEP:
+                    self._reported.remove(min(self._reported))
 
     # ------------------------------------------------------------------ training rollouts
 
