@@ -19,6 +19,7 @@ import structlog
 from nats.aio.msg import Msg
 
 from miles.bus.client import Bus, messages_until
+from miles.bus.follow import first_of
 from miles.bus.schema import Control, Heartbeat
 from miles.config import RunConfig
 
@@ -38,6 +39,10 @@ class Actor(ABC):
         self.actor_id = bus.actor_id
         self.stopping = asyncio.Event()
         self._finished = asyncio.Event()
+        # A refusal's counts go out with a heartbeat at once, not up to heartbeat_s later: a short run can
+        # end within one period of refusing something, and the summary adds up the heartbeats' counts.
+        self._beat_now = asyncio.Event()
+        bus.on_refusal = self._beat_now.set
         self.log = log.bind(role=self.role, actor=self.actor_id)
 
     # ------------------------------------------------------------------ lifecycle
@@ -79,10 +84,11 @@ class Actor(ABC):
     async def _heartbeat_loop(self) -> None:
         subject = self.bus.subjects.heartbeat(self.role, self.actor_id)
         while not self._finished.is_set():
+            self._beat_now.clear()
             with contextlib.suppress(Exception):  # a missed heartbeat is not worth dying for
                 await self.bus.emit(subject, self.heartbeat())
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._finished.wait(), timeout=self.cfg.bus.heartbeat_s)
+                await asyncio.wait_for(first_of(self._finished, self._beat_now), timeout=self.cfg.bus.heartbeat_s)
 
     async def _control_loop(self) -> None:
         """Obey run-wide ``stop`` commands of this run instance (core subscription: only live actors need

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import secrets
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -96,6 +96,8 @@ class Bus:
     dead_lettered: int = 0  # messages this actor refused
     refused: Counter[str] = field(default_factory=Counter)  # ... by category
     _run_instance: str | None = None
+    # Called after each refusal (the actor sends its heartbeat, whose counts the run summary adds up, at once)
+    on_refusal: Callable[[], None] | None = None
 
     @classmethod
     async def open(cls, cfg: BusConfig, url: str, run: str, actor_id: str, *, role: str = "peer") -> Bus:
@@ -122,7 +124,7 @@ class Bus:
             outage=outage,
         )
         # Every JetStream call of the actor rides out a server restart or a leader election (miles.bus.retry).
-        js = resilient_jetstream(nc, outage, domain=cfg.js_domain)
+        js = resilient_jetstream(nc, outage, timeout=cfg.request_timeout_s, domain=cfg.js_domain)
         subjects = Subjects(run)
         if creds is None:
             await ensure_run_streams(js, subjects, replicas=cfg.replicas, ack_wait_s=cfg.ack_wait_s)
@@ -229,6 +231,8 @@ class Bus:
         ``category``, and ack it if it was JetStream work (so it is not redelivered)."""
         self.dead_lettered += 1
         self.refused[category] += 1
+        if self.on_refusal is not None:
+            self.on_refusal()
         if self.role == "monitor":  # publishes nothing, not even dead letters: counted and logged only
             log.warning("refused", category=category, origin=received.subject, reason=reason, actor=self.actor_id)
             return
