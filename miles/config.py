@@ -450,6 +450,12 @@ class BusConfig(BusSecurityFields):
         "its own that uses the run's streams in another domain. None: the server's (a leaf node without JetStream "
         "maps its clients to the hub's domain itself, docs/deploy.md).",
     )
+    request_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="How long one JetStream request (publish ack, API call, direct get) waits for its answer before "
+        "the retry layer sends it again (within bus.outage_budget_s). Raise it for links with long round trips.",
+    )
     ack_wait_s: float = Field(30.0, gt=0, description="Redelivery delay of an unacked prompt or trajectory.")
     heartbeat_s: float = Field(1.0, gt=0, description="Actor heartbeat period.")
     max_payload_mb: int = Field(8, ge=1, description="max_payload of the embedded server (weight chunk size follows).")

@@ -44,7 +44,8 @@ async def setup_run(cfg: BusConfig, url: str, run: str) -> None:
         outage=outage,
     )
     try:
-        js = resilient_jetstream(nc, outage, domain=cfg.js_domain)  # a fresh cluster may still elect leaders
+        # a fresh cluster may still elect leaders
+        js = resilient_jetstream(nc, outage, timeout=cfg.request_timeout_s, domain=cfg.js_domain)
         await ensure_run_streams(js, Subjects(run), replicas=cfg.replicas, ack_wait_s=cfg.ack_wait_s)
     finally:
         await close_client(nc)  # past the outage budget too, without hiding why

@@ -216,3 +216,14 @@ async def test_an_ack_cut_off_by_a_reconnect_is_sent_again(monkeypatch: pytest.M
     outage.reconnected()
     assert await asyncio.wait_for(acking, 5.0) is True
     assert delivery.tries == 2 and outage.unconfirmed_acks == 0
+
+
+async def test_the_request_timeout_is_the_configured_one(nats_server: str) -> None:
+    from miles.bus.client import Bus
+    from miles.config import BusConfig
+
+    bus = await Bus.open(BusConfig(request_timeout_s=2.5), nats_server, "timeouts", "probe")
+    try:
+        assert bus.js._timeout == 2.5
+    finally:
+        await bus.close()
