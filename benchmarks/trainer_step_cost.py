@@ -11,16 +11,20 @@ random advantages and behaviour log-probs) goes through :class:`miles.training.s
 :class:`miles.backends.fsdp.FsdpBackend` built from the recipe's prepared model, in two set-ups, each in a
 fresh process, interleaved over ``--repeats`` rounds:
 
-* ``fsdp_1rank``: what ``miles run`` does for ``trainer.ranks: 1`` (``build_backend``): a one-rank gloo
-  group, so the model is ``fully_shard``-ed and every forward / backward runs FSDP2's all-gather and
-  reduce-scatter hooks, every metric an ``all_reduce``;
-* ``plain``: the same backend without a process group (the unsharded path its docstring describes).
+* ``fsdp_1rank``: a one-rank gloo group, so the model is ``fully_shard``-ed and every forward / backward
+  runs FSDP2's all-gather and reduce-scatter hooks, every metric an ``all_reduce`` (what ``miles run`` did
+  for ``trainer.ranks: 1`` until these figures, and still does with bfloat16 parameters);
+* ``plain``: the same backend without a process group, what ``build_backend`` now gives one rank with
+  float32 parameters.
 
-Per step (medians of ``--steps`` after ``--warmup``): the whole ``RLStep.run``, and on their own its parts
-``pack`` (``RLStep._micro_batches``: episodes to padded tensors) and ``prox`` (``backend.score(...,
-entropy=True)``: the no-grad forward for the proximal log-probs); ``update`` = run - pack - prox (forward,
-backward, optimizer, metric reductions); ``export`` (every parameter through ``export_params`` cast to
-the rollout dtype, as the streamed export does, without the data plane).
+Per step (medians of ``--steps`` after ``--warmup``): the whole ``RLStep.run`` as it runs (``run``: one
+mini-batch, so the proximal log-probs come from the training forward) and with its own no-grad proximal
+pass (``run_separate_prox``, ``RLStep.fuse_proximal = False``: the step before that was fused), and on
+their own the parts ``pack`` (``RLStep._micro_batches``: episodes to padded tensors) and ``prox``
+(``backend.score(..., entropy=True)``: that no-grad forward); ``update`` = run_separate_prox - pack - prox
+(forward, backward, optimizer, metric reductions); ``export`` (every parameter through ``export_params``
+cast to the rollout dtype, as the streamed export does, without the data plane). Each timed step trains,
+so consecutive steps start from different weights; the figures are costs, not losses.
 
 ``pack_lists`` is the same packing built from Python lists with one ``torch.tensor`` per field (in this
 file, checked to give identical tensors and spans), to size what a cheaper packer would save.
@@ -192,6 +196,10 @@ def child(mode: str, recipe: str, overrides: list[str], steps: int, warmup: int,
         parts["prox"] = (c, w)
         c, w, _ = timed(lambda: rl.run([samples]))
         parts["run"] = (c, w)
+        rl.fuse_proximal = False  # the same step with its own no-grad proximal pass (before it was fused)
+        c, w, _ = timed(lambda: rl.run([samples]))
+        rl.fuse_proximal = True
+        parts["run_separate_prox"] = (c, w)
         c, w, _ = timed(lambda: [t.to(export_dtype) for _, t in backend.export_params()])
         parts["export"] = (c, w)
         if i < warmup:
@@ -199,7 +207,7 @@ def child(mode: str, recipe: str, overrides: list[str], steps: int, warmup: int,
         for name, (cpu, wall) in parts.items():
             figures.setdefault(f"{name}_cpu_ms", []).append(1000 * cpu)
             figures.setdefault(f"{name}_wall_ms", []).append(1000 * wall)
-        update = parts["run"][0] - parts["pack"][0] - parts["prox"][0]
+        update = parts["run_separate_prox"][0] - parts["pack"][0] - parts["prox"][0]
         figures.setdefault("update_cpu_ms", []).append(1000 * update)
     queue.put(
         {

@@ -76,15 +76,20 @@ class Objective:
 
         def loss(out: TokenOutputs, mb: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
             t = mb.tensors
-            corr = self.correction(t["prox_logp"], t["behaviour_logp"], mb.loss_mask, mb.seq_index)
-            entropy = out.entropy if self.entropy_in_loss else t.get("prox_entropy")
+            if "prox_logp" in t:
+                prox_logp, prox_entropy = t["prox_logp"], t.get("prox_entropy")
+            else:  # one mini-batch: the proximal policy is the one this forward ran (miles.training.step)
+                prox_logp = out.logp.detach()
+                prox_entropy = None if out.entropy is None else out.entropy.detach()
+            corr = self.correction(prox_logp, t["behaviour_logp"], mb.loss_mask, mb.seq_index)
+            entropy = out.entropy if self.entropy_in_loss else prox_entropy
             advantages, extra = t["advantages"], {}
             if self.distill is not None:
                 if "teacher_logp" not in t:
                     raise ValueError("on-policy distillation: a micro-batch without teacher log-probs")
                 advantages, extra = distill_advantages(
                     advantages,
-                    t["prox_logp"],
+                    prox_logp,
                     t["teacher_logp"],
                     mb.loss_mask,
                     coef=float(self.distill.coef),

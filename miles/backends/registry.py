@@ -14,8 +14,12 @@ def build_backend(
     cfg: RunConfig, *, rank: int, world_size: int, master_addr: str, master_port: int
 ) -> tuple[TrainBackend, int]:
     """Join the trainer's process group, load the prepared policy and wrap it for training; returns the backend
-    and the pad token id. A one-rank trainer joins a one-rank group too, so FSDP2 (and its mixed precision)
-    runs the same code for one rank as for many."""
+    and the pad token id.
+
+    A one-rank trainer with float32 parameters joins no group: FSDP2 on one rank shards nothing, and its hooks
+    and the all-reduce of every metric cost a fifth of the quickstart's step (benchmarks/RESULTS.md). With
+    bfloat16 parameters it joins a one-rank group, since mixed precision is FSDP2's (MixedPrecisionPolicy).
+    Checkpoints are the same DCP format either way, and load onto any rank count."""
     backend_cfg = cfg.trainer.backend
     if backend_cfg.type == "megatron":
         from miles.backends.megatron import build_megatron_backend, megatron_unavailable_reason
@@ -32,8 +36,10 @@ def build_backend(
     from miles.backends.fsdp import FsdpBackend
     from miles.models.loading import load_policy, prepared_model_dir
 
-    port = master_port if world_size > 1 else find_free_port()  # one rank: no rendezvous to agree on
-    init_distributed(rank, world_size, master_addr if world_size > 1 else "127.0.0.1", port, device=backend_cfg.device)
+    if world_size > 1 or backend_cfg.param_dtype != "float32":
+        port = master_port if world_size > 1 else find_free_port()  # one rank: no rendezvous to agree on
+        host = master_addr if world_size > 1 else "127.0.0.1"
+        init_distributed(rank, world_size, host, port, device=backend_cfg.device)
     torch.manual_seed(cfg.trainer.seed)
     model_dir = prepared_model_dir(cfg.model, cfg.task)
     model, tokenizer = load_policy(model_dir, "float32", backend_cfg.device)

@@ -85,52 +85,62 @@ def _advantages(sample: TrainSample) -> list[float]:
 
 
 def _build(samples: Sequence[TrainSample], rows: list[_Row], pad_id: int, device: torch.device | str) -> MicroBatch:
+    # Rows are built as Python lists and become one tensor per field: a small slice write per sample and
+    # field costs more than the whole list (about 3x, benchmarks/trainer_step_cost.py on the quickstart).
     width = max(2, max(r.used for r in rows))
-    shape = (len(rows), width)
-    input_ids = torch.full(shape, pad_id, dtype=torch.long)  # (R, L)
-    position_ids = torch.zeros(shape, dtype=torch.long)  # (R, L)
-    targets = torch.full(shape, pad_id, dtype=torch.long)  # (R, L)
-    loss_mask = torch.zeros(shape)  # (R, L)
-    seq_index = torch.full(shape, -1, dtype=torch.long)  # (R, L)
-    names = ("advantages", "behaviour_logp", "teacher_logp")
-    per_token = {name: torch.zeros(shape) for name in names}
     has_teacher = any(samples[i].teacher_logprobs is not None for row in rows for i in row.members)
+    names = ("advantages", "behaviour_logp", "teacher_logp") if has_teacher else ("advantages", "behaviour_logp")
+    fields: dict[str, list[list[float]] | list[list[int]]] = {
+        name: [] for name in ("input_ids", "position_ids", "targets", "seq_index", "loss_mask", *names)
+    }
     spans: list[SampleSpan] = []
     seq = 0
     for r, row in enumerate(rows):
-        offset = 0
+        ids: list[int] = []
+        positions: list[int] = []
+        targets: list[int] = []
+        seq_index: list[int] = []
+        per_token = {name: [0.0] * width for name in ("loss_mask", *names)}
         for i in row.members:
             s = samples[i]
-            ids = list(s.prompt_ids) + list(s.token_ids)
-            n, p, k = len(ids), len(s.prompt_ids), len(s.token_ids)
-            input_ids[r, offset : offset + n] = torch.tensor(ids, dtype=torch.long)
-            position_ids[r, offset : offset + n] = torch.arange(n)
-            targets[r, offset : offset + n - 1] = torch.tensor(ids[1:], dtype=torch.long)
-            seq_index[r, offset : offset + n - 1] = seq
-            first = offset + p - 1  # the position that predicts completion token 0
+            full = [*s.prompt_ids, *s.token_ids]
+            n, p, k = len(full), len(s.prompt_ids), len(s.token_ids)
+            first = len(ids) + p - 1  # the position that predicts completion token 0
+            ids += full
+            positions += range(n)
+            targets += full[1:]
+            targets.append(pad_id)  # a sequence's last position predicts nothing
+            seq_index += [seq] * (n - 1)
+            seq_index.append(-1)
             if k:
-                loss_mask[r, first : first + k] = torch.tensor(s.loss_mask, dtype=torch.float32)
-                per_token["advantages"][r, first : first + k] = torch.tensor(_advantages(s))
+                per_token["loss_mask"][first : first + k] = [float(m) for m in s.loss_mask]
+                per_token["advantages"][first : first + k] = _advantages(s)
                 if s.behaviour_logprobs:
-                    per_token["behaviour_logp"][r, first : first + k] = torch.tensor(s.behaviour_logprobs)
-                if s.teacher_logprobs is not None:
-                    per_token["teacher_logp"][r, first : first + k] = torch.tensor(s.teacher_logprobs)
+                    per_token["behaviour_logp"][first : first + k] = s.behaviour_logprobs
+                if has_teacher and s.teacher_logprobs is not None:
+                    per_token["teacher_logp"][first : first + k] = s.teacher_logprobs
             spans.append(SampleSpan(sample=i, row=r, start=first, length=k, trained=any(s.loss_mask)))
-            offset += n
             seq += 1
-    # Padding gets its own position run, so that it forms a segment of its own (never attended to by a sequence).
-    for r, row in enumerate(rows):
-        if row.used < width:
-            position_ids[r, row.used :] = torch.arange(width - row.used)
-    if not has_teacher:
-        del per_token["teacher_logp"]
+        pad = width - len(ids)
+        fields["input_ids"].append(ids + [pad_id] * pad)
+        # Padding gets its own position run, so that it forms a segment of its own (never attended to).
+        fields["position_ids"].append(positions + list(range(pad)))
+        fields["targets"].append(targets + [pad_id] * pad)
+        fields["seq_index"].append(seq_index + [-1] * pad)
+        for name, values in per_token.items():
+            fields[name].append(values)
+    long = {"input_ids", "position_ids", "targets", "seq_index"}
+    t = {
+        name: torch.tensor(values, dtype=torch.long if name in long else torch.float32, device=device)
+        for name, values in fields.items()
+    }
     return MicroBatch(
-        input_ids=input_ids.to(device),
-        position_ids=position_ids.to(device),
-        targets=targets.to(device),
-        loss_mask=loss_mask.to(device),
-        seq_index=seq_index.to(device),
-        tensors={name: t.to(device) for name, t in per_token.items()},
+        input_ids=t["input_ids"],
+        position_ids=t["position_ids"],
+        targets=t["targets"],
+        loss_mask=t["loss_mask"],
+        seq_index=t["seq_index"],
+        tensors={name: t[name] for name in names},
         spans=spans,
     )
 

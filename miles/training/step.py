@@ -12,7 +12,10 @@ Given this rank's share of a rollout batch (advantages already computed), :class
 4. reduces the metrics over ranks.
 
 Several mini-batches make several optimizer steps against one proximal policy, so the PPO ratio moves
-away from 1 and its clip acts; with one mini-batch the ratio is exactly 1 at the forward.
+away from 1 and its clip acts; with one mini-batch the ratio is exactly 1 at the forward. The proximal
+policy is then the very weights the training forward runs on, so step 2's no-grad pass is skipped: the
+loss takes the proximal log-probs (and the entropy metric) from the training forward, detached. Same
+numbers, one forward fewer per step (a fifth of the quickstart trainer's CPU, benchmarks/RESULTS.md).
 
 A mini-batch without signal (every advantage 0 on every rank, and no KL, entropy or distillation term) is
 scored but not stepped: its gradient is exactly 0, and an AdamW step on it would only replay the momentum
@@ -80,6 +83,9 @@ class RLStep:
         self.pad_id = pad_id
         self.device = device
         self.steps_done = 0
+        # One mini-batch: the proximal log-probs come from the training forward (module docstring). A switch
+        # so that tests can compare with the separate proximal pass.
+        self.fuse_proximal = True
         backend_cfg = trainer_cfg.backend
         self.token_budget: int | None = getattr(backend_cfg, "micro_batch_tokens", None)
         self.pack: bool = getattr(backend_cfg, "pack_sequences", True)
@@ -101,10 +107,12 @@ class RLStep:
         else:
             signal = [1.0] * len(minis)  # another term of the loss has a gradient everywhere
         flat = [mb for mini in minis for mb in mini]
-        for mb, out in zip(flat, self.backend.score(flat, entropy=True), strict=True):
-            mb.tensors["prox_logp"] = out.logp
-            assert out.entropy is not None
-            mb.tensors["prox_entropy"] = out.entropy
+        fused = self.fuse_proximal and len(minis) == 1
+        if not fused:
+            for mb, out in zip(flat, self.backend.score(flat, entropy=True), strict=True):
+                mb.tensors["prox_logp"] = out.logp
+                assert out.entropy is not None
+                mb.tensors["prox_entropy"] = out.entropy
         if self.objective.needs_reference:
             for mb, out in zip(flat, self.backend.score(flat, reference=True), strict=True):
                 mb.tensors["ref_logp"] = out.logp
@@ -127,7 +135,8 @@ class RLStep:
             local = [sum(mb.num_tokens for mb in mini), sum(mb.num_sequences for mb in mini)]
             num_tokens, num_sequences = self.backend.all_reduce([float(x) for x in local])
             loss_fn = self.objective.loss_fn(num_tokens, num_sequences)
-            sums = self.backend.forward_backward(mini, loss_fn, entropy=self.objective.entropy_in_loss)
+            # Fused: the forward also gives the entropy metric the proximal pass would have.
+            sums = self.backend.forward_backward(mini, loss_fn, entropy=fused or self.objective.entropy_in_loss)
             for key, value in sums.items():
                 totals[key] = totals.get(key, 0.0) + value
             if mini_signal == 0:  # the metrics above still count; the zero gradient is dropped

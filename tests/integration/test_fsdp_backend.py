@@ -134,6 +134,44 @@ def test_activation_checkpointing_gives_the_same_step() -> None:
         torch.testing.assert_close(weights(recomputed)[name], value, rtol=0, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize(
+    "algo",
+    [
+        {"off_policy": "decoupled_ppo"},  # the quickstart's: token weights from the proximal log-probs
+        {"off_policy": "sequence", "kl_coef": 0.1, "entropy_coef": 0.01, "loss": {"aggregation": "sequence"}},
+        {"off_policy": "none", "loss": {"type": "gspo"}},
+    ],
+)
+def test_one_minibatch_takes_the_proximal_policy_from_the_training_forward(algo: dict[str, Any]) -> None:
+    """With one mini-batch RLStep skips the separate no-grad proximal pass: same metrics, same weights."""
+    separate_backend = FsdpBackend(tiny_model(), trainer_cfg(**algo), 0, 1)
+    fused_backend = FsdpBackend(tiny_model(), trainer_cfg(**algo), 0, 1)
+    separate, fused = (
+        RLStep(separate_backend, trainer_cfg(**algo), pad_id=PAD),
+        RLStep(fused_backend, trainer_cfg(**algo), pad_id=PAD),
+    )
+    separate.fuse_proximal = False
+    scored = 0
+    original_score = fused_backend.score
+
+    def counting_score(*args: Any, **kwargs: Any) -> Any:
+        nonlocal scored
+        scored += not kwargs.get("reference", False)
+        return original_score(*args, **kwargs)
+
+    fused_backend.score = counting_score  # type: ignore[method-assign]
+    for s in range(3):
+        plan = plan_batch(global_batch(s), 1, 1)[0]
+        a, b = separate.run(plan), fused.run(plan)
+        assert set(a) == set(b)
+        for key, value in a.items():
+            assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+        assert a["entropy"] > 0
+    assert scored == 0, "the fused step still ran a proximal pass"
+    for name, value in weights(separate_backend).items():
+        torch.testing.assert_close(weights(fused_backend)[name], value, rtol=0, atol=1e-6, msg=name)
+
+
 def test_several_minibatches_move_the_ratio_and_clip() -> None:
     """The second mini-batch's ratio is taken against the batch's start: ppo_kl and clip_frac are no longer 0."""
     backend = FsdpBackend(tiny_model(), trainer_cfg(lr=5e-2), 0, 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from miles.models.tiny import build_char_tokenizer
-from miles.rollout.render import Renderer, TemplateError, demonstration_tokens, turn_end_token
+from miles.rollout.render import INITIAL_CACHE, Renderer, TemplateError, demonstration_tokens, turn_end_token
 from tests.helpers_tokenizers import bpe_chatml_tokenizer
 
 TOKENIZERS = {"char": build_char_tokenizer, "bpe": bpe_chatml_tokenizer}
@@ -52,6 +52,34 @@ def test_raw_mode_is_bos_and_text() -> None:
     renderer = Renderer(tok, "raw")
     assert renderer.initial([{"role": "user", "content": "3+4="}]) == [tok.bos_token_id, *tok.encode("3+4=")]
     assert renderer.check_prefix([], [1, 2, 3])
+
+
+@pytest.mark.parametrize("mode", ["raw", "chat"])
+def test_openings_are_tokenised_once_and_handed_out_as_fresh_lists(mode: str) -> None:
+    """A group's episodes share their opening: remembered (up to INITIAL_CACHE), equal to a fresh render, and
+    each caller gets its own list (an episode that appends to its prompt must not change the next one's)."""
+    tok = TOKENIZERS["char"]()
+    renderer = Renderer(tok, mode)
+    calls = 0
+    encode = renderer._encode
+
+    def counting(text: str) -> list[int]:
+        nonlocal calls
+        calls += 1
+        return encode(text)
+
+    renderer._encode = counting  # type: ignore[method-assign]
+    opening = [{"role": "user", "content": "12+30="}]
+    first = renderer.initial(opening)
+    first.append(99)
+    second = renderer.initial([dict(m) for m in opening])
+    assert calls == 1 and second == Renderer(tok, mode).initial(opening) and second[-1] != 99
+    for i in range(INITIAL_CACHE + 1):  # the oldest opening is forgotten, then rendered again
+        renderer.initial([{"role": "user", "content": f"{i}+1="}])
+    calls = 0
+    assert renderer.initial(opening) == second and calls == 1
+    with_tool = [{"role": "user", "content": "x", "tools": [{"name": "sh"}]}]  # unhashable: never cached
+    assert renderer.initial(with_tool) == renderer.initial(with_tool) and calls == 3
 
 
 def test_demonstrations_are_rendered_like_episodes() -> None:
