@@ -96,6 +96,7 @@ def write_bundle(
     hostnames: Sequence[str] = (),
     days: int = DEFAULT_DAYS,
     server_dir: str | Path | None = None,
+    fleet_dir: str | Path | None = None,
     ephemeral_consumers: bool = False,
     ca_dir: str | Path | None = None,
     fleets: Sequence[str] = (),
@@ -107,7 +108,8 @@ def write_bundle(
     """Generate every identity, key and certificate of ``run`` into ``out``; returns ``out``.
 
     ``server_dir`` is where ``server/`` will live on the server host, written into the tls block's
-    paths (default: where it is written now). An existing bundle is only replaced with ``force``
+    paths (default: where it is written now); ``fleet_dir`` likewise for each ``fleets/<name>/`` on its
+    fleet's server (the paths in its ``leafnode.conf``). An existing bundle is only replaced with ``force``
     (which rotates every key: hand the new role directories out again). ``ca_dir`` reuses the CA of
     another bundle (its ``ca/`` directory) instead of making one, for runs that share a server.
     Each of ``fleets`` gets a leaf link (:mod:`miles.security.fleet`): the hub then listens for leaf
@@ -156,8 +158,16 @@ def write_bundle(
         _write_role(_private_dir(out / role), run, nonce, identity, signing, ca, days)
     rollout_key = identities["rollout"].keys.public_key
     for link in links:
-        fleet_dir = _private_dir(_private_dir(out / "fleets") / link.name)
-        write_fleet(fleet_dir, run, link, ca=ca, rollout_public_key=rollout_key, hub_url=hub_url, hub_domain=hub_domain)
+        write_fleet(
+            _private_dir(_private_dir(out / "fleets") / link.name),
+            run,
+            link,
+            ca=ca,
+            rollout_public_key=rollout_key,
+            hub_url=hub_url,
+            hub_domain=hub_domain,
+            files_at=Path(fleet_dir) if fleet_dir is not None else None,
+        )
     _write_json(
         out / BUNDLE_FILE,
         {

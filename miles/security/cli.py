@@ -49,6 +49,11 @@ def build_parser(prog: str = "miles creds") -> argparse.ArgumentParser:
         help="Where server/ will live on the server host (paths in server.conf's tls block; default: where written).",
     )
     p.add_argument(
+        "--fleet-dir",
+        help="Where fleets/NAME/ will live on each fleet's server (paths in its leafnode.conf; default: where "
+        "written), e.g. /etc/nats/miles-fleet.",
+    )
+    p.add_argument(
         "--ca-dir",
         help="Issue certificates with an existing bundle's CA (its ca/ directory): runs that share one server.",
     )
@@ -91,6 +96,7 @@ def main_creds(argv: list[str] | None = None) -> int:
             hostnames=args.hostname,
             days=args.days,
             server_dir=args.server_dir,
+            fleet_dir=args.fleet_dir,
             ephemeral_consumers=args.allow_ephemeral_consumers,
             ca_dir=args.ca_dir,
             fleets=args.fleet,

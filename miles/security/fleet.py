@@ -139,15 +139,17 @@ def write_fleet(
     rollout_public_key: str,
     hub_url: str,
     hub_domain: str,
+    files_at: Path | None = None,
 ) -> None:
-    """Write one fleet's directory: its leaf config (0600), link and server certificates, the CA."""
+    """Write one fleet's directory: its leaf config (0600), link and server certificates, the CA.
+    ``files_at``: where the directory will live on the fleet's server (the config's paths; default: here)."""
     fleet.link_cert.write(fleet_dir / "link-cert.pem", fleet_dir / "link-key.pem")
     fleet.server_cert.write(fleet_dir / "server-cert.pem", fleet_dir / "server-key.pem")
     (fleet_dir / "ca.pem").write_bytes(ca.cert_pem())
     write_secret(fleet_dir / "link.nk", (fleet.link.keys.seed + "\n").encode())
     text = render_leaf_config(
         run,
-        fleet_dir,
+        files_at if files_at is not None else fleet_dir,
         link_seed=fleet.link.keys.seed,
         rollout_public_key=rollout_public_key,
         hub_url=hub_url,

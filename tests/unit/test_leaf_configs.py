@@ -61,3 +61,19 @@ def test_miles_creds_refuses_an_empty_hub_url_entry_before_writing_anything(tmp_
     out = tmp_path / "auth"
     assert main_creds(["--run", "r", "--out", str(out), "--fleet", "cloud", "--hub-url", "tls://a:7422,"]) == 2
     assert not out.exists()
+
+
+def test_a_fleet_config_names_its_files_where_they_will_live(tmp_path: Path) -> None:
+    """--fleet-dir: the leaf config's certificate paths are the fleet server's, not the bundle's; the config,
+    copied there with its directory, loads in nats-server."""
+    from miles.security.cli import main_creds
+
+    out, there = tmp_path / "auth", tmp_path / "etc" / "miles-fleet"
+    argv = ["--run", "r", "--out", str(out), "--fleet", "cloud", "--hub-url", "tls://hub:7422"]
+    assert main_creds([*argv, "--fleet-dir", str(there)]) == 0
+    conf = (out / "fleets" / "cloud" / "leafnode.conf").read_text()
+    assert f'"{there}/link-cert.pem"' in conf and f'"{there}/server-key.pem"' in conf and str(out) not in conf
+    there.parent.mkdir(parents=True)
+    (out / "fleets" / "cloud").rename(there)  # what the docs say to do on the fleet's server
+    result = nats_server_accepts(there / "leafnode.conf")
+    assert result.returncode == 0, result.stderr + result.stdout
