@@ -36,7 +36,7 @@ from miles.bus.errors import BusError
 from miles.bus.retry import Outage, ack_or_redeliver, resilient_jetstream
 from miles.bus.schema import Message, SchemaError, decode, decode_any, encode
 from miles.bus.streams import ensure_run_streams
-from miles.bus.subjects import Subjects
+from miles.bus.subjects import Subjects, kv_stream, kv_subject
 from miles.config import BusConfig
 from miles.security.signing import SIGNED_BY, SIGNERS, MessageSigner, MessageVerifier, SignatureError
 
@@ -310,7 +310,7 @@ class Bus:
         """
         bucket = self.subjects.state_bucket
         try:
-            msg = await self.js.get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}")
+            msg = await self.js.get_msg(kv_stream(bucket), subject=kv_subject(bucket, key))
         except JsNotFoundError:
             return None
         if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):

@@ -132,3 +132,13 @@ class Subjects:
     def runinfo_bucket(self) -> str:
         """What a worker needs to join the run with nothing but a URL and credentials (docs/protocol.md)."""
         return f"{self.run}_RUNINFO"
+
+
+def kv_stream(bucket: str) -> str:
+    """The stream behind a key-value bucket (NATS convention)."""
+    return f"KV_{bucket}"
+
+
+def kv_subject(bucket: str, key: str) -> str:
+    """The subject a key-value bucket stores ``key`` on (NATS convention)."""
+    return f"$KV.{bucket}.{key}"

@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from miles.bus.subjects import Subjects
+from miles.bus.subjects import Subjects, kv_stream
 
 Role = Literal["setup", "controller", "trainer", "rollout", "monitor", "teacher"]
 ROLES: tuple[Role, ...] = get_args(Role)
@@ -126,11 +126,6 @@ class RunNames:
 
     # durable consumers the rework adds
     ROLLOUT_EVAL_CONSUMER = "rollout-eval"
-
-
-def kv_stream(bucket: str) -> str:
-    """The stream behind a key-value bucket (NATS convention)."""
-    return f"KV_{bucket}"
 
 
 def inbox_prefix(run: str, role: str) -> str:
