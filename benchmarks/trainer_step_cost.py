@@ -26,8 +26,6 @@ their own the parts ``pack`` (``RLStep._micro_batches``: episodes to padded tens
 cast to the rollout dtype, as the streamed export does, without the data plane). Each timed step trains,
 so consecutive steps start from different weights; the figures are costs, not losses.
 
-``pack_lists`` is the same packing built from Python lists with one ``torch.tensor`` per field (in this
-file, checked to give identical tensors and spans), to size what a cheaper packer would save.
 """
 
 from __future__ import annotations
@@ -78,77 +76,6 @@ def synth_batch(cfg: Any, tokenizer: Any, task: Any, seed: int) -> list[Any]:
     return out
 
 
-def pack_lists(samples: Any, pad_id: int) -> list[Any]:
-    """``pack_micro_batches(samples, pad_id=pad_id)`` (one micro-batch, packing on, no teacher) built from
-    Python lists: the same rows, then one ``torch.tensor`` per field instead of per-sample slice writes."""
-    import torch
-
-    from miles.backends.base import MicroBatch, SampleSpan
-    from miles.training.packing import _advantages, _rows
-
-    rows = _rows(samples, True)
-    width = max(2, max(r.used for r in rows))
-    ids_rows, pos_rows, tgt_rows, mask_rows, seq_rows, adv_rows, beh_rows = [], [], [], [], [], [], []
-    spans = []
-    seq = 0
-    for r, row in enumerate(rows):
-        ids, pos, tgt, seqi = [], [], [], []
-        mask, adv, beh = [0.0] * width, [0.0] * width, [0.0] * width
-        for i in row.members:
-            s = samples[i]
-            full = list(s.prompt_ids) + list(s.token_ids)
-            n, p, k = len(full), len(s.prompt_ids), len(s.token_ids)
-            first = len(ids) + p - 1
-            ids += full
-            pos += range(n)
-            tgt += full[1:] + [pad_id]
-            seqi += [seq] * (n - 1) + [-1]
-            if k:
-                mask[first : first + k] = [float(x) for x in s.loss_mask]
-                adv[first : first + k] = _advantages(s)
-                if s.behaviour_logprobs:
-                    beh[first : first + k] = s.behaviour_logprobs
-            spans.append(SampleSpan(sample=i, row=r, start=first, length=k, trained=any(s.loss_mask)))
-            seq += 1
-        pad = width - len(ids)
-        ids_rows.append(ids + [pad_id] * pad)
-        pos_rows.append(pos + list(range(pad)))
-        tgt_rows.append(tgt + [pad_id] * pad)
-        seq_rows.append(seqi + [-1] * pad)
-        mask_rows.append(mask)
-        adv_rows.append(adv)
-        beh_rows.append(beh)
-    return [
-        MicroBatch(
-            input_ids=torch.tensor(ids_rows, dtype=torch.long),
-            position_ids=torch.tensor(pos_rows, dtype=torch.long),
-            targets=torch.tensor(tgt_rows, dtype=torch.long),
-            loss_mask=torch.tensor(mask_rows),
-            seq_index=torch.tensor(seq_rows, dtype=torch.long),
-            tensors={"advantages": torch.tensor(adv_rows), "behaviour_logp": torch.tensor(beh_rows)},
-            spans=spans,
-        )
-    ]
-
-
-def same_batches(a: list[Any], b: list[Any]) -> bool:
-    import torch
-
-    if len(a) != len(b):
-        return False
-    for x, y in zip(a, b, strict=True):
-        for name in ("input_ids", "position_ids", "targets", "loss_mask", "seq_index"):
-            if not torch.equal(getattr(x, name), getattr(y, name)):
-                return False
-        if x.tensors.keys() != y.tensors.keys() or any(
-            torch.equal(x.tensors[k], y.tensors[k]) is False for k in x.tensors
-        ):
-            return False
-        if x.spans != y.spans:
-            return False
-    return True
-
-
 def child(mode: str, recipe: str, overrides: list[str], steps: int, warmup: int, queue: Any) -> None:
     """One set-up in a fresh process: time the parts of ``steps`` RL steps; put the figures on ``queue``."""
     import torch
@@ -158,7 +85,6 @@ def child(mode: str, recipe: str, overrides: list[str], steps: int, warmup: int,
     from miles.config import load_config
     from miles.models.loading import load_policy, prepared_model_dir
     from miles.tasks.registry import build_task
-    from miles.training.packing import pack_micro_batches
     from miles.training.step import RLStep
 
     cfg = load_config(recipe, overrides)
@@ -182,16 +108,11 @@ def child(mode: str, recipe: str, overrides: list[str], steps: int, warmup: int,
         return time.process_time() - c0, time.perf_counter() - w0, out
 
     figures: dict[str, list[float]] = {}
-    checked = True
     for i in range(warmup + steps):
         samples = synth_batch(cfg, tokenizer, task, seed=i)
         parts: dict[str, tuple[float, float]] = {}
         c, w, mbs = timed(lambda: rl._micro_batches(samples))
         parts["pack"] = (c, w)
-        c, w, fast = timed(lambda: pack_lists(samples, pad))
-        parts["pack_lists"] = (c, w)
-        if not rl.cfg.backend.micro_batch_tokens:
-            checked &= same_batches(pack_micro_batches(samples, pad_id=pad), fast)
         c, w, _ = timed(lambda: backend.score(mbs, entropy=True))
         parts["prox"] = (c, w)
         c, w, _ = timed(lambda: rl.run([samples]))
@@ -215,7 +136,6 @@ def child(mode: str, recipe: str, overrides: list[str], steps: int, warmup: int,
             "sharded": backend.sharded,
             "samples_per_step": cfg.trainer.groups_per_step * cfg.rollout.group_size,
             "torch_threads": torch.get_num_threads(),
-            "pack_lists_identical": checked,
             "median": {k: round(statistics.median(v), 2) for k, v in figures.items()},
         }
     )
