@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,7 +50,7 @@ from tests.integration.harness import Cluster, small_run_config
 
 RUN = "fuzz"
 S = Subjects(RUN)
-STEPS = 14
+STEPS = 24
 
 
 @pytest.fixture
@@ -263,8 +264,16 @@ def test_forgeries_on_every_subject_are_refused_and_the_run_completes(
     cluster = Cluster(cfg, tmp_path / "run", server.url)
     cluster.start_all()
     try:
-        cluster.wait_for(lambda: cluster.steps_recorded() >= 2, 240, "two steps")
-        facts = asyncio.run(_forge_once(server.url, bundle, seed))
+        cluster.wait_for(lambda: cluster.steps_recorded() >= 2, 240, "two steps", poll_s=0.02)
+        # A tiny step takes ~0.05 s, so the forgeries are published with the trainer paused: every one of them
+        # must reach the actors mid-run, not after the summary (where no refusal would be counted).
+        trainer = cluster.procs["trainer-0"]
+        trainer.send_signal(signal.SIGSTOP)
+        try:
+            assert '"trainer_done"' not in cluster.log("trainer-0"), "the trainer finished before the forgeries"
+            facts = asyncio.run(_forge_once(server.url, bundle, seed))
+        finally:
+            trainer.send_signal(signal.SIGCONT)
         cluster.wait_for(lambda: (cluster.run_dir / "summary.json").exists(), 240, "the run to complete")
         cluster.wait_all_exit(60)
     finally:
