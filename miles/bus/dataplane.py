@@ -61,6 +61,9 @@ MiB = 1024 * 1024
 # Room under max_payload for the protocol line and the headers JetStream adds to a direct-get reply.
 CHUNK_HEADROOM = 4096
 DEFAULT_WINDOW_BYTES = 32 * MiB
+# Below this, ``fetch="auto"`` reads through the shared nats-py connection: the raw reader's own connection (TCP,
+# TLS handshake, login) costs more than the copies it saves on a small payload (benchmarks/RESULTS.md).
+RAW_FETCH_MIN_BYTES = 1 * MiB
 FetchMode = Literal["auto", "raw", "client"]
 Storage = Literal["file", "memory"]
 Kind = Literal["full", "delta"]
@@ -233,7 +236,8 @@ class WeightStore:
         ``chunk_bytes`` defaults to (and is capped at) the server's ``max_payload`` minus a little headroom;
         it only shapes what this store puts, readers follow each version's manifest. ``fetch``
         picks the reader: ``raw`` (zero-copy, :mod:`miles.bus.rawfetch`), ``client`` (nats-py), or
-        ``auto`` (raw where the connection allows it, nats-py otherwise or if raw fails to connect).
+        ``auto`` (raw where the connection allows it and the payload is at least ``RAW_FETCH_MIN_BYTES``, nats-py
+        otherwise or if raw fails to connect).
         ``storage="memory"`` keeps the payloads in the server's RAM (``keep_versions`` x payload size):
         gets were about 1.5x faster than from file storage on the dev machine, at the cost of that RAM
         and of losing the payloads when the server restarts (the trainer republishes on its next step).
@@ -449,7 +453,8 @@ class WeightStore:
         if not requests:
             return
         window = max(2, self.window_bytes // man.chunk_bytes)  # always overlap two chunks
-        endpoint = endpoint_from_client(self._nc) if self.fetch != "client" else None
+        small = self.fetch == "auto" and man.size < RAW_FETCH_MIN_BYTES
+        endpoint = endpoint_from_client(self._nc) if self.fetch != "client" and not small else None
         if self.fetch == "raw" and endpoint is None:
             raise BusError("raw weight fetch is not possible over this connection (websocket or TLS-first)")
         if endpoint is not None:

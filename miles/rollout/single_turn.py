@@ -2,7 +2,8 @@
 
 This is how every task with a ``reward(completion, sample)`` (arithmetic, copy, a user's JSONL task) runs
 on the same episode path as multi-turn agents. The reward runs in a worker thread, never on the event loop,
-and receives the sample with all its fields (``meta`` included) exactly as the controller issued them.
+unless the task marks it a pure string check (``inline``), and receives the sample with all its fields
+(``meta`` included) exactly as the controller issued them.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ RewardFn = Callable[[str, Sample], float]
 class SingleTurnEnv:
     """:class:`~miles.rollout.env.Environment` of one prompt and one answer."""
 
-    def __init__(self, spec: EpisodeSpec, reward: RewardFn) -> None:
+    def __init__(self, spec: EpisodeSpec, reward: RewardFn, *, inline: bool = False) -> None:
         self.sample = Sample(id=spec.sample_id, prompt=spec.prompt, answer=spec.answer, meta=dict(spec.meta))
         self._reward = reward
+        self._inline = inline
         self._completion: str | None = None
 
     async def reset(self) -> list[ChatMessage]:
@@ -33,6 +35,8 @@ class SingleTurnEnv:
 
     async def reward(self) -> float | None:
         # A turn cut off by a limit still has text to score; an episode that never produced one scores ''.
+        if self._inline:
+            return self._reward(self._completion or "", self.sample)
         return await asyncio.to_thread(self._reward, self._completion or "", self.sample)
 
     async def close(self) -> None:

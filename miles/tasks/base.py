@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 if TYPE_CHECKING:
     from miles.rollout.env import ChatMessage, Environment, EpisodeSpec
@@ -50,6 +50,9 @@ class TextTask(ABC):
     """Base of single-turn text tasks: subclasses provide ``samples`` and ``reward(completion, sample)``."""
 
     render: Literal["raw", "chat"] = "raw"
+    # A reward that is a pure string check of microseconds may run on the event loop: handing it to a thread
+    # costs more than the check, once per episode. Any other reward (a user's function) runs in a thread.
+    reward_inline: ClassVar[bool] = False
 
     @abstractmethod
     def samples(self, split: str) -> list[Sample]:
@@ -62,7 +65,7 @@ class TextTask(ABC):
     def environment(self, spec: EpisodeSpec) -> Environment:
         from miles.rollout.single_turn import SingleTurnEnv
 
-        return SingleTurnEnv(spec, self.reward)
+        return SingleTurnEnv(spec, self.reward, inline=self.reward_inline)
 
     def demonstration(self, sample: Sample) -> list[ChatMessage]:
         """A correct conversation for the supervised warm-up: the prompt and its reference answer."""
@@ -79,6 +82,7 @@ class ExactMatchTask(TextTask):
     """
 
     _splits: dict[str, list[Sample]]
+    reward_inline = True  # a comparison of the first answer token (subclasses keep to string checks)
 
     def samples(self, split: str) -> list[Sample]:
         """The split's samples (a fresh list each call; the samples themselves are shared)."""

@@ -185,7 +185,7 @@ async def test_put_again_replaces_the_version(nc: Client) -> None:
 
 async def test_auto_falls_back_to_nats_py(nc: Client, monkeypatch: pytest.MonkeyPatch) -> None:
     store = await _store(nc, "auto")
-    payload = os.urandom(3 * CHUNK)
+    payload = os.urandom(dataplane.RAW_FETCH_MIN_BYTES + 7)  # large enough that auto tries the raw reader
     await store.put(1, payload)
 
     monkeypatch.setattr(dataplane, "endpoint_from_client", lambda _nc: None)  # e.g. a websocket URL
@@ -199,6 +199,25 @@ async def test_auto_falls_back_to_nats_py(nc: Client, monkeypatch: pytest.Monkey
     raw = await _store(nc, "raw")
     with pytest.raises(BusError, match="cannot open weight-fetch connection"):
         await raw.get(1)
+
+
+async def test_auto_reads_a_small_payload_through_the_shared_connection(
+    nc: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = await _store(nc, "auto")
+    small, large = os.urandom(dataplane.RAW_FETCH_MIN_BYTES - 1), os.urandom(dataplane.RAW_FETCH_MIN_BYTES)
+    await store.put(1, small)
+    await store.put(2, large)
+    raw_reads: list[int] = []
+    real = WeightStore._fetch_raw
+
+    async def counted(self: WeightStore, endpoint: Endpoint, man: object, *args: object) -> None:
+        raw_reads.append(man.version)  # type: ignore[attr-defined]
+        await real(self, endpoint, man, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(WeightStore, "_fetch_raw", counted)
+    assert await store.get(1) == small and await store.get(2) == large
+    assert raw_reads == [2]  # no connection of its own for the small one
 
 
 @pytest.mark.parametrize("fetch", FETCH_MODES)

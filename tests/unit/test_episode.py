@@ -20,6 +20,7 @@ from miles.models import tiny
 from miles.rollout.env import EnvStep, InfraError
 from miles.rollout.episode import EpisodeLimits, run_episode
 from miles.rollout.render import Renderer
+from miles.rollout.single_turn import SingleTurnEnv
 from tests.helpers_tokenizers import bpe_chatml_tokenizer
 
 
@@ -118,7 +119,6 @@ async def test_multi_turn_episode_is_token_exact(kind: str) -> None:
 async def test_single_turn_scored_on_the_text() -> None:
     tok = tiny.build_char_tokenizer()
     from miles.rollout.env import EpisodeSpec
-    from miles.rollout.single_turn import SingleTurnEnv
 
     got: list[Any] = []
 
@@ -131,6 +131,28 @@ async def test_single_turn_scored_on_the_text() -> None:
     assert ep.reward == 0.5 and ep.end_reason == "done" and len(ep.turns) == 1
     assert ep.prompt_ids == [tok.bos_token_id, *tok.encode("3+4=")]
     assert got[0][1] == {"difficulty": 2}  # the reward sees the sample's fields
+
+
+async def test_a_user_reward_runs_off_the_loop_and_a_builtin_string_check_on_it() -> None:
+    import threading
+
+    from miles.rollout.env import EpisodeSpec
+    from miles.tasks.arithmetic import ArithmeticTask
+    from miles.tasks.jsonl import JsonlTask
+
+    assert ArithmeticTask.reward_inline and not JsonlTask.reward_inline
+    threads: list[int] = []
+
+    def reward(text: str, sample: Any) -> float:
+        threads.append(threading.get_ident())
+        return 1.0
+
+    spec = EpisodeSpec("s1", "3+4=", "7", {})
+    for inline in (False, True):
+        env = SingleTurnEnv(spec, reward, inline=inline)
+        await env.step("7")
+        assert await env.reward() == 1.0
+    assert threads[0] != threading.get_ident() and threads[1] == threading.get_ident()
 
 
 @pytest.mark.parametrize("bad", [float("nan"), None, "x", math.inf])
