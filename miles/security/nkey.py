@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import nkeys
@@ -47,7 +47,7 @@ def _checked(raw: bytes) -> bytes:
 class KeyPair:
     """An nkey seed (secret) with its public key."""
 
-    seed: str
+    seed: str = field(repr=False)  # never in a log line or a traceback's locals
     public_key: str
     key_type: KeyType
 

@@ -31,11 +31,11 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from miles.security.nkey import KeyPair, NkeyError, decode_public
 
@@ -95,10 +95,14 @@ class MessageSigner:
     signer: Signer
     run: str
     run_nonce: str
+    # Built once: decoding the seed and loading the key cost more than the signature (the controller signs
+    # every prompt group).
+    _private: Ed25519PrivateKey = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.key.key_type != "account":
             raise ValueError("a signing key must be an account-type nkey (seed 'SA...')")
+        object.__setattr__(self, "_private", self.key.private_key())
 
     @property
     def public_key(self) -> str:
@@ -107,7 +111,7 @@ class MessageSigner:
     def sign(self, subject: str, payload: bytes | bytearray | memoryview) -> str:
         """The signature of ``payload`` on ``subject``: 64 bytes ed25519, as 128 lower-case hex characters."""
         message = signed_bytes(subject, payload, run=self.run, run_nonce=self.run_nonce)
-        return self.key.private_key().sign(message).hex()
+        return self._private.sign(message).hex()
 
     def headers(self, subject: str, payload: bytes | bytearray | memoryview) -> dict[str, str]:
         """The NATS headers that carry the signature."""

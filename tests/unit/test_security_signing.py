@@ -125,6 +125,12 @@ def test_signing_keys_are_account_keys() -> None:
         MessageVerifier.from_nkeys({"trainer": KeyPair.generate("user").public_key}, run=RUN, run_nonce=NONCE)
 
 
+def test_a_signer_shows_no_secret() -> None:
+    key = KeyPair.generate("account")
+    signer = MessageSigner(key=key, signer="controller", run=RUN, run_nonce=NONCE)
+    assert key.seed not in repr(signer) and key.seed not in repr(key) and key.public_key in repr(key)
+
+
 def test_nkey_decoding_checks_type_and_checksum() -> None:
     public = KeyPair.generate("account").public_key
     decode_public(public, "account")
