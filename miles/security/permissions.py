@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from miles.bus.subjects import Subjects, kv_stream
+from miles.bus.subjects import Subjects, kv_stream, kv_subject
 
 Role = Literal["setup", "controller", "trainer", "rollout", "monitor", "teacher"]
 ROLES: tuple[Role, ...] = get_args(Role)
@@ -253,7 +253,7 @@ def _trainer(n: RunNames, inbox: str, compat: bool) -> Permissions:
         s.done,
         n.weight_chunks,
         n.delta_chunks,
-        f"$KV.{s.state_bucket}.trainer_version",
+        kv_subject(s.state_bucket, "trainer_version"),
         s.heartbeat("trainer", "*"),
         n.dead_letters("trainer"),
         s.teacher_score,  # on-policy distillation: requests to the teacher actors (core request/reply)
@@ -279,8 +279,8 @@ def _controller(n: RunNames, inbox: str, compat: bool) -> Permissions:
         s.control,
         s.eval,
         s.issued,
-        f"$KV.{s.state_bucket}.>",
-        f"$KV.{n.runinfo_bucket}.>",
+        kv_subject(s.state_bucket, ">"),
+        kv_subject(n.runinfo_bucket, ">"),
         s.heartbeat("controller", "*"),
         n.dead_letters("controller"),
         # its own state, rebuilt at every start by reading EVENTS and METRICS in order (direct gets, the end
@@ -308,7 +308,7 @@ def _controller(n: RunNames, inbox: str, compat: bool) -> Permissions:
             ]
     return Permissions(
         publish_allow=_unique(publish),
-        publish_deny=(f"$KV.{s.state_bucket}.trainer_version",),
+        publish_deny=(kv_subject(s.state_bucket, "trainer_version"),),
         # core subscriptions that wake its in-order readers of EVENTS and METRICS (what it reads is the
         # direct get; a message is believed only from the stream)
         subscribe_allow=(
