@@ -8,6 +8,7 @@ accounts share one server through ``include``.
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 import subprocess
 from collections.abc import AsyncIterator
@@ -41,8 +42,16 @@ def url(server: EmbeddedNats) -> str:
     return server.url
 
 
-def server_log(server: EmbeddedNats) -> str:
-    return server.log_path.read_text(errors="replace")
+async def server_log(server: EmbeddedNats, waiting_for: str, timeout_s: float = 5.0) -> str:
+    """The server's log once it holds ``waiting_for``, or after ``timeout_s``: the server writes why it refused
+    a client after closing the connection, so the client can see the refusal before the line is written."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        text = server.log_path.read_text(errors="replace")
+        if waiting_for in text or loop.time() > deadline:
+            return text
+        await asyncio.sleep(0.05)
 
 
 async def try_connect(url: str, **options: Any) -> str | None:
@@ -92,7 +101,8 @@ async def test_a_client_without_credentials_cannot_connect(
     server: EmbeddedNats, url: str, bundles: tuple[Path, Path]
 ) -> None:
     assert await try_connect(url, tls=insecure_context()) is not None
-    assert "client didn't provide a certificate" in server_log(server)
+    expected = "client didn't provide a certificate"
+    assert expected in await server_log(server, expected)
     ours = RoleCredentials.load(bundles[0], "rollout")
     # TLS right but no login: the account has no anonymous user
     error = await try_connect(url, tls=ours.ssl_context())
@@ -105,7 +115,8 @@ async def test_a_client_certificate_from_another_ca_cannot_connect(
     ours, theirs = RoleCredentials.load(bundles[0], "rollout"), RoleCredentials.load(bundles[1], "rollout")
     wrong_cert = tls_context(ours.ca_file, theirs.cert_file, theirs.key_file)
     assert await try_connect(url, tls=wrong_cert, nkeys_seed=str(ours.seed_file)) is not None
-    assert "certificate signed by unknown authority" in server_log(server)
+    expected = "certificate signed by unknown authority"
+    assert expected in await server_log(server, expected)
     no_cert = tls_context(ours.ca_file)
     assert await try_connect(url, tls=no_cert, nkeys_seed=str(ours.seed_file)) is not None
 
@@ -116,9 +127,8 @@ async def test_a_login_key_of_another_bundle_cannot_connect(
     ours, theirs = RoleCredentials.load(bundles[0], "trainer"), RoleCredentials.load(bundles[1], "trainer")
     error = await try_connect(url, tls=ours.ssl_context(), nkeys_seed=str(theirs.seed_file))
     assert error is not None and "authorization" in error.lower()
-    assert f'authentication error - Nkey "{theirs.directory.joinpath("user.pub").read_text().strip()}"' in server_log(
-        server
-    )
+    expected = f'authentication error - Nkey "{theirs.directory.joinpath("user.pub").read_text().strip()}"'
+    assert expected in await server_log(server, expected)
 
 
 async def test_the_client_refuses_a_server_it_cannot_verify(url: str, bundles: tuple[Path, Path]) -> None:
