@@ -52,16 +52,17 @@ MAX_NEW_TOKENS = 57  # CopyTaskConfig().max_len + 1 (the answer, then EOS)
 
 
 class ForwardCounter:
-    """Counts the model's forwards and the rows of its decode forwards (one new token per row)."""
+    """Counts the model's forwards and the rows of its decode forwards (one new token per row), on the input
+    embedding, which every forward (HF's or the engine's lean one) calls once with the input ids."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.forwards = 0
         self.decode_forwards = 0
         self.decode_rows = 0
-        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+        self._handle = model.get_input_embeddings().register_forward_pre_hook(self._hook)
 
-    def _hook(self, module: torch.nn.Module, args: object, kwargs: dict[str, torch.Tensor]) -> None:
-        rows, tokens = kwargs["input_ids"].shape
+    def _hook(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        rows, tokens = args[0].shape
         self.forwards += 1
         if tokens == 1:
             self.decode_forwards += 1

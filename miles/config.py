@@ -143,6 +143,12 @@ class TorchEngineConfig(Strict):
     max_batch: int = Field(
         64, ge=1, description="Rows (requests) in the running batch; more wait in the queue until a row finishes."
     )
+    forward: Literal["auto", "hf"] = Field(
+        "auto",
+        description="Model call per token boundary. auto: Miles' lean forward where the architecture is one it "
+        "implements (LlamaForCausalLM with a silu MLP and bias-free projections), else the HF forward; hf: always "
+        "the HF forward.",
+    )
     max_prefill_tokens: int = Field(
         4096,
         ge=1,

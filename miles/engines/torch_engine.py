@@ -28,7 +28,6 @@ old cache), which is what the trainer's importance ratios correct against.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import random
 import threading
 from collections import deque
@@ -43,6 +42,7 @@ from transformers import PreTrainedModel
 from miles.config import TorchEngineConfig
 from miles.engines.base import EngineError, Generation, SamplingParams, SparseValues
 from miles.engines.kv_cache import batching_plan
+from miles.engines.model_forward import select_forward
 from miles.engines.torch_loop import Request, Row, SamplingLoop
 from miles.engines.weight_slot import WeightSlot, copy_into, validate_state
 from miles.models.dsa_topk import stabilize_dsa_topk
@@ -51,22 +51,6 @@ from miles.models.loading import to_torch_dtype
 log = structlog.get_logger(__name__)
 
 UNBOUNDED_CONTEXT = 2**31 - 1  # a model whose config names no position limit
-
-
-def _forward_kwargs(model: PreTrainedModel) -> tuple[str, dict[str, Any]]:
-    """The forward kwarg that takes the KV cache and the extras that skip unneeded logits.
-
-    transformers renamed both over time (``past_key_values`` -> ``cache``, ``num_logits_to_keep`` ->
-    ``logits_to_keep``); we ask the signature rather than pin a version.
-    """
-    params = inspect.signature(model.forward).parameters
-    cache_arg = "cache" if "cache" in params else "past_key_values"
-    extra: dict[str, Any] = {"use_cache": True}
-    for name in ("logits_to_keep", "num_logits_to_keep"):
-        if name in params:
-            extra[name] = 1
-            break
-    return cache_arg, extra
 
 
 def _max_context(model: Any) -> int:
@@ -131,7 +115,7 @@ class TorchEngine:
         plan = batching_plan(self.model)
         self.continuous = plan.continuous
         max_batch, max_prefill_tokens = self.cfg.max_batch, self.cfg.max_prefill_tokens
-        cache_arg, forward_extra = _forward_kwargs(self.model)
+        forward, self.forward_kind = select_forward(self.model, self.cfg.forward)
         self._loop = SamplingLoop(
             self.model,
             self.pad_token_id,
@@ -140,9 +124,9 @@ class TorchEngine:
             max_prefill_tokens=max_prefill_tokens,
             continuous=plan.continuous,
             device=self.device,
-            cache_arg=cache_arg,
-            forward_extra=forward_extra,
+            forward=forward,
         )
+        log.info("engine_forward", forward=self.forward_kind)
         if not plan.continuous:
             log.warning("engine_batching_fallback", model=type(self.model).__name__, reason=plan.reason)
         self._version = int(version)

@@ -32,6 +32,7 @@ from transformers import DynamicCache
 
 from miles.engines import kv_cache
 from miles.engines.base import FinishReason, Generation, SamplingParams
+from miles.engines.model_forward import Forward
 from miles.engines.sampling import sample_tokens
 
 UNIFORM_CHUNK = 64  # uniforms drawn at a time from a request's generator
@@ -125,8 +126,7 @@ class SamplingLoop:
         max_prefill_tokens: int,
         continuous: bool,
         device: torch.device,
-        cache_arg: str,
-        forward_extra: dict[str, Any],
+        forward: Forward,
     ) -> None:
         self.model = model
         self.pad_token_id = pad_token_id
@@ -134,8 +134,7 @@ class SamplingLoop:
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.continuous = continuous
-        self._cache_arg = cache_arg
-        self._forward_extra = forward_extra
+        self._forward = forward  # logits (B, V) at the last input position; appends to the cache in place
         self.device = device
         self.batch: Batch | None = None
         self._done: list[Row] = []  # finished without entering the batch (the prompt fills the context)
@@ -268,14 +267,6 @@ class SamplingLoop:
         batch.last = tokens
         for row, token, logprob in zip(batch.rows, tokens.tolist(), logprobs.tolist(), strict=True):
             row.add(token, logprob, version)
-
-    def _forward(
-        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache
-    ) -> torch.Tensor:
-        """Logits (B, V) at the last input position; the model appends to ``cache`` in place."""
-        kwargs = {self._cache_arg: cache, **self._forward_extra}
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs)
-        return out.logits[:, -1, :]
 
     # ------------------------------------------------------------------ retire
 

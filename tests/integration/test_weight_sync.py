@@ -95,13 +95,13 @@ async def test_weights_arriving_mid_generation_switch_in_at_a_token_boundary(bus
     follower = WeightFollower(bus, store, engine)
     reached, go, shapes = threading.Event(), threading.Event(), []
 
-    def pause_third_forward(module: torch.nn.Module, args: object, kwargs: dict[str, torch.Tensor]) -> None:
-        shapes.append(tuple(kwargs["input_ids"].shape))
+    def pause_third_forward(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        shapes.append(tuple(args[0].shape))  # the input ids: every forward embeds them once
         if len(shapes) == 3:  # the prefill sampled token 0, the first step token 1: this one computes token 2
             reached.set()
             go.wait(30)
 
-    handle = engine.model.register_forward_pre_hook(pause_third_forward, with_kwargs=True)
+    handle = engine.model.get_input_embeddings().register_forward_pre_hook(pause_third_forward)
     params = SamplingParams(max_new_tokens=6, temperature=1.0)
     async with engine, running(follower) as stopping:
         try:  # the held forward is released before the engine closes (close joins the loop thread)

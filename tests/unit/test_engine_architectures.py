@@ -21,6 +21,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig
 
+from miles.config import TorchEngineConfig
 from miles.engines.base import Generation, SamplingParams
 from miles.engines.kv_cache import batching_plan
 from miles.engines.torch_engine import TorchEngine
@@ -155,16 +156,17 @@ def teacher_forced(model: torch.nn.Module, gen: Generation) -> tuple[list[int], 
     return steps.argmax(-1).tolist(), logp.tolist()
 
 
-@pytest.mark.parametrize("name", CONTINUOUS + FALLBACK)
-async def test_greedy_batched_generation_matches_teacher_forcing(name: str) -> None:
+@pytest.mark.parametrize(("name", "forward"), [(n, "auto") for n in CONTINUOUS + FALLBACK] + [("llama", "hf")])
+async def test_greedy_batched_generation_matches_teacher_forcing(name: str, forward: str) -> None:
     model = build(name)
     assert batching_plan(model).continuous == (name in CONTINUOUS)
-    engine = TorchEngine(model, pad_token_id=0)
+    engine = TorchEngine(model, pad_token_id=0, cfg=TorchEngineConfig(forward=forward))
+    # Llama runs Miles' lean forward unless told otherwise; every other family runs HF's.
+    assert engine.forward_kind.startswith("lean") == (name == "llama" and forward == "auto")
     work = requests()
     shapes: list[tuple[int, int]] = []  # (rows, input tokens) of every forward: prefills have more than one
-    hook = model.register_forward_pre_hook(
-        lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
-    )
+    # On the input embedding, which every forward (HF's or the lean one) calls once with the input ids.
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda m, a: shapes.append(tuple(a[0].shape)))
 
     async with engine:
         first = [asyncio.create_task(engine.generate(*w)) for w in work[:5]]

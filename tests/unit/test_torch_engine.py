@@ -18,8 +18,9 @@ from transformers import DynamicCache, LlamaForCausalLM, PreTrainedTokenizerFast
 from miles.config import TinyModelConfig, TorchEngineConfig
 from miles.engines.base import EngineError, Generation, SamplingParams
 from miles.engines.batch import generate_all, generate_all_sync
+from miles.engines.model_forward import hf_forward
 from miles.engines.registry import build_engine
-from miles.engines.torch_engine import TorchEngine, _forward_kwargs
+from miles.engines.torch_engine import TorchEngine
 from miles.engines.torch_loop import Request
 from miles.models import tiny
 from miles.models.loading import encode_prompt
@@ -74,16 +75,18 @@ async def until(predicate: object, timeout_s: float = 10.0) -> None:
 
 class ForwardGate:
     """Records the input shape of every model forward (0 = the first) and can hold forward ``hold`` until
-    released, so a test can act while the loop thread is mid-batch (stage weights, submit, cancel)."""
+    released, so a test can act while the loop thread is mid-batch (stage weights, submit, cancel).
 
-    def __init__(self, model: torch.nn.Module, hold: int | None = None) -> None:
+    It hooks the input embedding, which the HF forward and the lean one both call once per forward."""
+
+    def __init__(self, model: LlamaForCausalLM, hold: int | None = None) -> None:
         self.shapes: list[tuple[int, int]] = []  # (rows, input tokens) per forward
         self.hold = hold
         self.reached, self.go = threading.Event(), threading.Event()
-        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+        self._handle = model.get_input_embeddings().register_forward_pre_hook(self._hook)
 
-    def _hook(self, module: torch.nn.Module, args: object, kwargs: dict[str, torch.Tensor]) -> None:
-        self.shapes.append(tuple(kwargs["input_ids"].shape))  # type: ignore[arg-type]
+    def _hook(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        self.shapes.append(tuple(args[0].shape))  # type: ignore[arg-type]
         if len(self.shapes) - 1 == self.hold:
             self.reached.set()
             assert self.go.wait(30), "test never released the forward"
@@ -336,7 +339,7 @@ async def test_a_failing_loop_thread_fails_every_request_with_engine_error(
         if len(calls) == 3:
             raise RuntimeError("boom: simulated device failure")
 
-    engine.model.register_forward_pre_hook(explode)
+    engine.model.get_input_embeddings().register_forward_pre_hook(explode)  # every forward embeds once
     with structlog.testing.capture_logs() as logs:
         async with engine:
             results = await asyncio.gather(
@@ -454,17 +457,18 @@ def kept_cache_logprobs(
 ) -> list[float]:
     """Reference for the keep-the-KV-cache policy: ``output[:switch]`` scored by ``old`` (prompt prefill
     included), the rest by ``new`` attending to the cache ``old`` computed; unpadded, one token per step."""
-    cache_arg, extra = _forward_kwargs(old)
-    fwd = {cache_arg: DynamicCache(), **extra}
+    cache, forwards = DynamicCache(), {id(old): hf_forward(old), id(new): hf_forward(new)}
     out = []
     with torch.no_grad():
-        logits = old(input_ids=torch.tensor([prompt]), **fwd).logits[0, -1]
+        ids = torch.tensor([prompt])  # (1, P)
+        logits = forwards[id(old)](ids, torch.ones_like(ids), torch.arange(len(prompt))[None], cache)[0]
         for i, token in enumerate(output):
             logp = torch.log_softmax(logits.float() / (temp if temp > 0 else 1.0), dim=-1)  # (V,)
             out.append(float(logp[token]))
             model = old if i + 1 < switch else new
             pos = torch.tensor([[len(prompt) + i]])  # (1, 1)
-            logits = model(input_ids=torch.tensor([[token]]), position_ids=pos, **fwd).logits[0, -1]
+            mask = torch.ones((1, len(prompt) + i + 1), dtype=torch.long)  # (1, T)
+            logits = forwards[id(model)](torch.tensor([[token]]), mask, pos, cache)[0]
     return out
 
 
