@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from miles.config import RunConfig, TorchEngineConfig
+from miles.config import RunConfig, TorchEngineConfig, load_config
 from miles.engines.base import SamplingParams
 from miles.engines.model_forward import Forward, hf_forward, lean_forward_for
 from miles.engines.torch_engine import TorchEngine
@@ -72,7 +72,7 @@ def time_forwards(model: Any, rows: int, context: int, prompt: int, calls: int) 
     spent = {f"{side}_{kind}": 0.0 for side in sides for kind in ("decode", "prefill")}
     base = _cache(model, rows, context)
     with torch.inference_mode():
-        for _ in range(calls + 1):  # the first round warms up and is not counted
+        for call in range(calls + 1):  # call 0 warms up and is not counted
             for side, forward in sides.items():
                 cache = DynamicCache()  # a fresh cache per decode: each call appends one column to it
                 for layer, held in enumerate(base.layers):
@@ -83,7 +83,7 @@ def time_forwards(model: Any, rows: int, context: int, prompt: int, calls: int) 
                 start = time.thread_time()
                 forward(ids, mask, positions, DynamicCache())
                 prefill = time.thread_time() - start
-                if _ > 0:
+                if call > 0:
                     spent[f"{side}_decode"] += decode
                     spent[f"{side}_prefill"] += prefill
     ms = {key: round(value / calls * 1e3, 4) for key, value in spent.items()}
@@ -173,8 +173,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here (it is printed either way)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    from miles.config import load_config
-
     cfg = load_config(RECIPE)
     model_dir = prepare_model(cfg)  # the quickstart's warmed-up tiny model (built once, then cached)
     result = asyncio.run(benchmark(args, model_dir, cfg))

@@ -2,14 +2,15 @@
 
 Both take the engine's running-batch tensors and return the last position's logits (:data:`Forward`).
 
-Why a lean forward: the engine calls the model once per token boundary. On a small model (the quickstart's 2-layer
-Llama) most of an HF forward is Python around the compute - decorators, output capture, kwarg plumbing
-and above all mask building - and it costs more than the matmuls (py-spy of a rollout worker: the HF
-forward was two thirds of the engine thread). This module computes the same thing from the same
-modules' weights in the fewest torch calls: one boolean mask per forward, fused RMSNorm where it rounds
-as HF does (float32), HF's own rotary module (so every ``rope_scaling`` variant stays HF's), SDPA.
-``benchmarks/lean_forward.py`` measures it against the HF forward; ``tests/unit/test_model_forward.py``
-checks it gives HF's logits and cache, padded rows included.
+Why a lean forward: the engine calls the model once per token boundary. On a small model (the
+quickstart's 2-layer Llama) most of an HF forward is Python around the compute - decorators, output
+capture, kwarg plumbing and above all mask building - and it costs more than the matmuls (py-spy of a
+rollout worker: the HF forward was two thirds of the engine thread). This module computes the same thing
+from the same modules' weights in the fewest torch calls: one boolean mask per forward (SDPA's causal
+kernel for an unpadded prefill), fused RMSNorm where it rounds as HF does (float32), HF's own rotary
+module (so every ``rope_scaling`` variant stays HF's), SDPA. ``benchmarks/lean_forward.py`` measures it
+against the HF forward; ``tests/unit/test_model_forward.py`` checks it gives HF's logits and cache, padded
+rows included.
 
 It reads the weights from the modules at call time, so in-place weight copies (the engine's switches)
 apply to it at once. It is used only where :func:`lean_forward_for` finds exactly the architecture it
