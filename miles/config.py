@@ -267,6 +267,13 @@ class FsdpBackendConfig(Strict):
         description="Tokens whose logits are materialised at once when computing log-probs and entropies "
         "(the (tokens, vocab) float32 logits of a whole batch are never held).",
     )
+    share_prompts: bool = Field(
+        True,
+        description="Pack the samples of one prompt (a GRPO group) behind one copy of it, with an attention mask "
+        "that keeps them apart: the same log-probs and gradients, the prompt computed once per group. Applies to "
+        "full-attention Llama, Qwen2 and Qwen3 models under SDPA or eager attention; other models, and runs with "
+        "a teacher in the trainer, pack every sample whole.",
+    )
 
 
 class MegatronBackendConfig(Strict):

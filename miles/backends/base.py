@@ -68,6 +68,10 @@ class MicroBatch:
     a target belongs to (-1 where there is none), for per-sequence reductions. ``tensors`` holds the other
     per-token inputs of the loss, filled by the algorithm layer: ``advantages``, ``behaviour_logp``, and as
     needed ``prox_logp``, ``ref_logp``, ``teacher_logp``.
+
+    ``attention_mask`` is set when samples share one copy of their prompt (``share_prompts`` in
+    :func:`miles.training.packing.pack_micro_batches`): which positions each position may attend to, since
+    position ids no longer say it. Only a backend with ``shares_prompts`` gets such micro-batches.
     """
 
     input_ids: Tensor  # (R, L) long
@@ -77,6 +81,7 @@ class MicroBatch:
     seq_index: Tensor  # (R, L) long
     tensors: dict[str, Tensor] = field(default_factory=dict)  # each (R, L) float
     spans: list[SampleSpan] = field(default_factory=list)  # where each packed sample's completion sits
+    attention_mask: Tensor | None = None  # (R, 1, L, L) bool, True: may attend; None: from position_ids
 
     @property
     def num_tokens(self) -> int:
@@ -126,6 +131,7 @@ class TrainBackend(Protocol):
     world_size: int
     dp_rank: int  # this rank's data-parallel index: ranks with the same dp_rank get the same data
     dp_size: int
+    shares_prompts: bool  # takes micro-batches whose samples share a prompt copy (MicroBatch.attention_mask)
 
     def score(self, batches: list[MicroBatch], *, reference: bool = False, entropy: bool = False) -> list[TokenOutputs]:
         """No-grad per-token log-probs (and entropies) of each micro-batch, under the current policy or,

@@ -12,6 +12,11 @@ process group (a plain single process, as in unit tests) the model is left unsha
 Log-probs never materialise the ``(tokens, vocab)`` float32 logits of a whole micro-batch: the decoder's
 final hidden states go through the unembedding a chunk of positions at a time
 (:func:`miles.algo.logprobs.chunked_logprobs`), and in backward each chunk is recomputed.
+
+Shared prompts (``trainer.backend.share_prompts``): for an architecture whose every layer attends causally
+over the whole sequence (:func:`shared_prompt_support`), the samples of one prompt are packed behind one copy
+of it and the decoder gets the packer's attention mask (:mod:`miles.training.packing`): the same log-probs
+and gradients, the prompt computed once per group instead of once per sample.
 """
 
 from __future__ import annotations
@@ -51,10 +56,21 @@ class TokenScorer(nn.Module):
         self.chunk_tokens = chunk_tokens
         self.softcap = getattr(lm.config, "final_logit_softcapping", None)
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, targets: Tensor, with_entropy: bool) -> TokenOutputs:
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        targets: Tensor,
+        with_entropy: bool,
+        attention_mask: Tensor | None = None,
+    ) -> TokenOutputs:
         # attention_mask=None + position ids that restart per sequence: transformers keeps packed sequences apart.
+        # A shared-prompt mask (R, 1, L, L) is passed as is (transformers uses a 4D mask unchanged).
         decoder = self.lm.get_decoder()
-        hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state  # (R, L, H)
+        mask = None if attention_mask is None else self._attention_mask(attention_mask)
+        hidden = decoder(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False
+        ).last_hidden_state  # (R, L, H)
         rows, length = input_ids.shape
         logp, entropy = chunked_logprobs(
             hidden.reshape(rows * length, -1),
@@ -66,6 +82,39 @@ class TokenScorer(nn.Module):
             with_entropy=with_entropy,
         )
         return TokenOutputs(logp.view(rows, length), None if entropy is None else entropy.view(rows, length))
+
+    def _attention_mask(self, allowed: Tensor) -> Tensor:
+        """The packer's boolean mask in the form the attention implementation takes: SDPA a boolean one,
+        eager attention an additive float one (0 where allowed, the dtype's minimum elsewhere)."""
+        if self.lm.config._attn_implementation == "sdpa":
+            return allowed
+        dtype = next(self.lm.parameters()).dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min
+        )
+
+
+# Causal LMs whose every layer attends over the whole sequence when no sliding window is configured: a 4D mask
+# given to them is applied unchanged in every layer (transformers' masking utilities return it as is).
+_FULL_ATTENTION_MODELS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def shared_prompt_support(model: nn.Module) -> str | None:
+    """None if ``model`` computes exactly the same log-probs with shared prompts and the packer's attention mask,
+    else why not (then every sample is packed whole): a known full-attention architecture, without sliding
+    window layers, under SDPA or eager attention."""
+    name = type(model).__name__
+    if name not in _FULL_ATTENTION_MODELS:
+        return f"{name} is not one of {', '.join(_FULL_ATTENTION_MODELS)}"
+    config = model.config
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        return f"{name} has {sorted(set(layer_types) - {'full_attention'})} layers"
+    if layer_types is None and getattr(config, "sliding_window", None) is not None:
+        return f"{name} has a sliding window"
+    if config._attn_implementation not in ("sdpa", "eager"):
+        return f"attention implementation {config._attn_implementation!r} (sdpa or eager apply the mask)"
+    return None
 
 
 class FsdpBackend:
@@ -123,6 +172,11 @@ class FsdpBackend:
             )
             self._place(self.ref_model)
         self.lora_scale: float | None = None
+        # Decided on the bare architecture (a LoRA adapter changes no attention): see shared_prompt_support.
+        unsupported = shared_prompt_support(model) if self.backend_cfg.share_prompts else "off in the config"
+        self.shares_prompts = unsupported is None
+        if self.backend_cfg.share_prompts and unsupported is not None:
+            log.info("fsdp.prompts_not_shared", reason=unsupported)
         if trainer_cfg.lora is not None:  # LoRA RL: only the adapters train, the base stays frozen in memory
             model = add_adapters(model, trainer_cfg.lora)
             self.lora_scale = lora_scale(trainer_cfg.lora)
@@ -150,6 +204,7 @@ class FsdpBackend:
             params=sum(p.numel() for p in self.model.parameters()),
             trainable=sum(p.numel() for p in self.model.parameters() if p.requires_grad),
             reference=self.ref_model is not None,
+            shares_prompts=self.shares_prompts,
         )
 
     # ------------------------------------------------------------------ setup
@@ -174,7 +229,7 @@ class FsdpBackend:
     # ------------------------------------------------------------------ TrainBackend
 
     def _forward(self, module: TokenScorer, mb: MicroBatch, entropy: bool) -> TokenOutputs:
-        return module(mb.input_ids, mb.position_ids, mb.targets, entropy)
+        return module(mb.input_ids, mb.position_ids, mb.targets, entropy, mb.attention_mask)
 
     def _reference(self) -> tuple[TokenScorer, AbstractContextManager[Any]]:
         if self.ref_model is not None:

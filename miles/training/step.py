@@ -89,10 +89,17 @@ class RLStep:
         backend_cfg = trainer_cfg.backend
         self.token_budget: int | None = getattr(backend_cfg, "micro_batch_tokens", None)
         self.pack: bool = getattr(backend_cfg, "pack_sequences", True)
+        # A teacher in the trainer scores the same micro-batches with its own model, which takes no shared mask.
+        self.share_prompts = getattr(backend, "shares_prompts", False) and teacher is None
 
     def _micro_batches(self, samples: list[TrainSample]) -> list[MicroBatch]:
         batches = pack_micro_batches(
-            samples, pad_id=self.pad_id, device=self.device, token_budget=self.token_budget, pack=self.pack
+            samples,
+            pad_id=self.pad_id,
+            device=self.device,
+            token_budget=self.token_budget,
+            pack=self.pack,
+            share_prompts=self.share_prompts,
         )
         (count,) = self.backend.all_reduce([float(len(batches))], op="max")
         return pad_to(batches, max(1, int(count)), self.pad_id, self.device)

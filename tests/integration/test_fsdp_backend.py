@@ -61,13 +61,30 @@ def global_batch(step: int) -> list[TrainSample]:
     return samples
 
 
+def grouped_batch(step: int) -> list[TrainSample]:
+    """Three prompts, four samples each (GRPO groups), completions of different lengths, one with an
+    environment turn: what shared-prompt packing puts behind one copy of each prompt."""
+    g = torch.Generator().manual_seed(200 + step)
+    samples = []
+    for p in (3, 1, 5):
+        prompt = torch.randint(1, VOCAB, (p,), generator=g).tolist()
+        for i, o in enumerate((4, 1, 6, 2)):
+            tokens = torch.randint(1, VOCAB, (o,), generator=g).tolist()
+            mask = [1, 1, 0, 0, 1, 1] if o == 6 else [1] * o
+            behaviour = [(-torch.rand(1, generator=g) * 3).item() if m else 0.0 for m in mask]
+            samples.append(TrainSample(prompt, tokens, mask, behaviour, advantage=(-1.0) ** i * (0.5 + p / 4)))
+    return samples
+
+
 def weights(backend: FsdpBackend) -> dict[str, torch.Tensor]:
     return dict(backend.export_params())
 
 
-def run_steps(backend: FsdpBackend, cfg: TrainerConfig, steps: int, world: int = 1) -> list[dict[str, float]]:
+def run_steps(
+    backend: FsdpBackend, cfg: TrainerConfig, steps: int, world: int = 1, batch: Any = global_batch
+) -> list[dict[str, float]]:
     step = RLStep(backend, cfg, pad_id=PAD)
-    plans = [plan_batch(global_batch(s), cfg.algo.minibatches, world)[backend.dp_rank] for s in range(steps)]
+    plans = [plan_batch(batch(s), cfg.algo.minibatches, world)[backend.dp_rank] for s in range(steps)]
     return [step.run(plan) for plan in plans]
 
 
@@ -123,6 +140,70 @@ def test_packing_and_micro_batches_do_not_change_the_step(layout: dict[str, Any]
             assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     for name, value in weights(one).items():
         torch.testing.assert_close(weights(other)[name], value, rtol=0, atol=1e-5, msg=name)
+
+
+SHARED_ALGOS = [
+    {"off_policy": "decoupled_ppo"},
+    {"kl_coef": 0.1, "entropy_coef": 0.01, "loss": {"aggregation": "sequence"}, "off_policy": "sequence"},
+    {"off_policy": "none", "loss": {"type": "gspo"}, "minibatches": 2},
+]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("algo", SHARED_ALGOS)
+def test_shared_prompts_give_the_same_step(algo: dict[str, Any], attention: str) -> None:
+    """Groups packed behind one copy of their prompt: the metrics and weights of packing every sample whole."""
+
+    def backend(share: bool) -> FsdpBackend:
+        model = tiny_model()
+        model.config._attn_implementation = attention
+        return FsdpBackend(model, trainer_cfg(backend={"share_prompts": share}, **algo), 0, 1)
+
+    whole, shared = backend(False), backend(True)
+    assert shared.shares_prompts and not whole.shares_prompts
+    m1 = run_steps(whole, trainer_cfg(backend={"share_prompts": False}, **algo), 2, batch=grouped_batch)
+    m2 = run_steps(shared, trainer_cfg(**algo), 2, batch=grouped_batch)
+    for a, b in zip(m1, m2, strict=True):
+        for key, value in a.items():
+            assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    for name, value in weights(whole).items():
+        torch.testing.assert_close(weights(shared)[name], value, rtol=0, atol=1e-5, msg=name)
+    (mb,) = pack_micro_batches(grouped_batch(0), pad_id=PAD, share_prompts=True)
+    assert mb.attention_mask is not None and mb.input_ids.numel() < sum(
+        len(s.prompt_ids) + len(s.token_ids) for s in grouped_batch(0)
+    )
+
+
+def test_shared_prompt_scores_equal_the_models_own_logits() -> None:
+    plain = tiny_model()
+    backend = FsdpBackend(tiny_model(), trainer_cfg(backend={"logprob_chunk_tokens": 5}), 0, 1, temperature=0.7)
+    samples = grouped_batch(1)
+    (mb,) = pack_micro_batches(samples, pad_id=PAD, share_prompts=True)
+    (out,) = backend.score([mb], entropy=True)
+    got = mb.per_sample(out.logp)
+    for i, s in enumerate(samples):
+        ids = torch.tensor([s.prompt_ids + s.token_ids])
+        logits = plain(input_ids=ids).logits[0, :-1] / 0.7
+        want = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)[len(s.prompt_ids) - 1 :]
+        assert got[i] == pytest.approx(want.tolist(), abs=1e-5)
+
+
+def test_prompts_are_shared_only_where_the_mask_applies_unchanged() -> None:
+    from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from miles.backends.fsdp import shared_prompt_support
+
+    assert shared_prompt_support(tiny_model()) is None
+    small = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    small |= {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+    assert shared_prompt_support(Qwen3ForCausalLM(Qwen3Config(**small))) is None
+    windowed = Qwen3ForCausalLM(Qwen3Config(**small, use_sliding_window=True, sliding_window=16, max_window_layers=1))
+    assert "sliding_attention" in (shared_prompt_support(windowed) or "")
+    assert "MistralForCausalLM" in (shared_prompt_support(MistralForCausalLM(MistralConfig(**small))) or "")
+    sdpa_only = tiny_model()
+    sdpa_only.config._attn_implementation = "flash_attention_2"
+    assert "flash_attention_2" in (shared_prompt_support(sdpa_only) or "")
+    assert not FsdpBackend(tiny_model(), trainer_cfg(backend={"share_prompts": False}), 0, 1).shares_prompts
 
 
 def test_activation_checkpointing_gives_the_same_step() -> None:
@@ -278,6 +359,10 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
         lora = FsdpBackend(tiny_model(), lora_cfg, rank, world_size)
         run_steps(lora, lora_cfg, STEPS, world_size)
         results["lora"] = {"adapter": dict(lora.export_params(adapter_only=True)), "weights": weights(lora)}
+        shared_cfg = trainer_cfg(backend={"micro_batch_tokens": 40})
+        shared = FsdpBackend(tiny_model(), shared_cfg, rank, world_size)
+        metrics = run_steps(shared, shared_cfg, STEPS, world_size, batch=grouped_batch)
+        results["shared"] = {"metrics": metrics, "weights": weights(shared)}
         bf16_cfg = trainer_cfg(backend={"param_dtype": "bfloat16"})
         bf16 = FsdpBackend(tiny_model(), bf16_cfg, rank, world_size)
         results["bf16"] = {"metrics": run_steps(bf16, bf16_cfg, 1, world_size), "weights": weights(bf16)}
@@ -307,6 +392,19 @@ def test_two_ranks_match_one_rank(two_rank_results: list[dict[str, Any]], algo: 
         assert rank0["metrics"][step] == rank1["metrics"][step]  # identical on every rank
         for key, value in single_metrics[step].items():
             assert rank0["metrics"][step][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
+
+
+@pytest.mark.slow
+def test_two_ranks_with_shared_prompts_match_one_rank_packing_whole(two_rank_results: list[dict[str, Any]]) -> None:
+    cfg = trainer_cfg(backend={"share_prompts": False})
+    single = FsdpBackend(tiny_model(), cfg, 0, 1)
+    single_metrics = run_steps(single, cfg, STEPS, batch=grouped_batch)
+    got = two_rank_results[0]["shared"]
+    for name, value in weights(single).items():
+        torch.testing.assert_close(got["weights"][name], value, rtol=0, atol=1e-5, msg=name)
+    for step in range(STEPS):
+        for key, value in single_metrics[step].items():
+            assert got["metrics"][step][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
 
 
 @pytest.mark.slow

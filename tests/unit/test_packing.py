@@ -74,3 +74,42 @@ def test_inconsistent_samples_are_refused() -> None:
         TrainSample([1], [2, 3], [1, 1], [0.0])
     with pytest.raises(ValueError, match="empty prompt"):
         TrainSample([], [2], [1], [0.0])
+
+
+def test_shared_prompt_layout() -> None:
+    """Two samples of prompt [1, 2, 3] behind one copy of it, a lone sample whole; the mask keeps them apart."""
+    samples = [_sample([1, 2, 3], [4, 5]), _sample([6, 7], [8]), _sample([1, 2, 3], [9], adv=-1.0)]
+    (mb,) = pack_micro_batches(samples, pad_id=0, share_prompts=True)
+    # block of prompt [1, 2, 3]: prefix [1, 2], then [3, 4, 5] and [3, 9]; the lone sample in a row of its own
+    assert mb.input_ids.tolist() == [[1, 2, 3, 4, 5, 3, 9], [6, 7, 8, 0, 0, 0, 0]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 2, 3], [0, 1, 2, 0, 1, 2, 3]]
+    assert mb.targets.tolist()[0] == [2, 3, 4, 5, 0, 9, 0]
+    assert mb.loss_mask.tolist()[0] == [0, 0, 1, 1, 0, 1, 0]
+    assert mb.seq_index.tolist() == [[-1, -1, 0, 0, -1, 1, -1], [2, 2, -1, -1, -1, -1, -1]]
+    assert mb.tensors["advantages"].tolist()[0] == [0, 0, 1, 1, 0, -1, 0]
+    assert mb.per_sample(mb.tensors["behaviour_logp"]) == {0: [-0.5, -1.0], 2: [-0.5], 1: [-0.5]}
+    allowed = mb.attention_mask
+    assert allowed is not None and allowed.shape == (2, 1, 7, 7)
+    # the second sample's segment (positions 5, 6) sees the prefix and itself, never the first sample's tokens
+    assert allowed[0, 0, 6].tolist() == [True, True, False, False, False, True, True]
+    assert allowed[0, 0, 4].tolist() == [True, True, True, True, True, False, False]
+    assert allowed[1, 0, 2].tolist() == [True, True, True, False, False, False, False]
+    assert allowed.diagonal(dim1=2, dim2=3).all()  # every position (padding too) sees something: no NaN
+
+
+def test_shared_prompts_change_nothing_without_a_common_prompt() -> None:
+    samples = [_sample([1, 2], [3, 4, 5, 6]), _sample([7], [8]), _sample([9], [10, 11])]
+    (plain,) = pack_micro_batches(samples, pad_id=0)
+    (shared,) = pack_micro_batches(samples, pad_id=0, share_prompts=True)
+    assert shared.attention_mask is None
+    for field in ("input_ids", "position_ids", "targets", "loss_mask", "seq_index"):
+        assert getattr(shared, field).tolist() == getattr(plain, field).tolist(), field
+    assert shared.spans == plain.spans
+
+
+def test_shared_prompt_blocks_stay_within_their_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("miles.training.packing.SHARED_BLOCK_TOKENS", 8)
+    samples = [_sample([1, 2, 3], [4, 5]) for _ in range(4)]  # 5 positions alone, 2 + 3 per sample in a block
+    (mb,) = pack_micro_batches(samples, pad_id=0, share_prompts=True)
+    assert mb.input_ids.tolist() == [[1, 2, 3, 4, 5, 3, 4, 5], [1, 2, 3, 4, 5, 3, 4, 5]]
+    assert sorted(s.sample for s in mb.spans) == [0, 1, 2, 3]

@@ -107,6 +107,7 @@ class MegatronBackend:
         init_model_parallel(self.settings, trainer_cfg.seed)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.shares_prompts = False  # its masks come from position ids (batches.block_causal_mask)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.use_te = wants_te(self.settings)
         self.converter = converter_for(self.args, self.settings.tensor_parallel)
