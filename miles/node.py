@@ -130,7 +130,9 @@ def _main(argv: list[str] | None) -> int:
     try:
         if worker is not None and args.rank > 0:
             from miles.actors.trainer_ranks import follow_leader
+            from miles.heap import freeze_startup_heap
 
+            freeze_startup_heap()  # imports and the model: never walked by the collector again
             follow_leader(worker)
             return 0
         try:
@@ -164,10 +166,12 @@ async def _run_actor(
     scoring: Any = None,
 ) -> int:
     from miles.bus.client import Bus
+    from miles.heap import freeze_startup_heap
 
     bus = await Bus.open(cfg.bus, args.nats_url, cfg.name, actor_id, role=args.role)
     try:
         actor = _build_actor(cfg, args, bus, run_dir, worker, scoring)
+        freeze_startup_heap()  # imports, a trainer's or teacher's model: never walked by the collector again
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, actor.request_stop, f"signal {sig.name}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from functools import cached_property
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgpack
@@ -143,7 +144,7 @@ class Episode(Message):
         """``(start, version)`` per span, the default single span included."""
         return list(self.version_spans) or [(0, self.weight_version)]
 
-    @property
+    @cached_property  # messages are frozen: computed once (the trainer asks per trajectory, per step)
     def oldest_version(self) -> int:
         return min(version for _, version in self.spans)
 
@@ -183,11 +184,11 @@ class Trajectory(Message):
         "", description="The Miles-Signature header the prompt group was published with ('' when unsigned)."
     )
 
-    @property
-    def trained_episodes(self) -> list[Episode]:
-        return [e for e in self.episodes if e.trained]
+    @cached_property  # messages are frozen: computed once
+    def trained_episodes(self) -> tuple[Episode, ...]:
+        return tuple(e for e in self.episodes if e.trained)
 
-    @property
+    @cached_property
     def oldest_version(self) -> int:
         """The oldest policy version behind any trained token (any token when nothing is trained)."""
         episodes = self.trained_episodes or self.episodes

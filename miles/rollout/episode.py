@@ -77,10 +77,6 @@ class _Builder:
         return self.prompt_ids + self.token_ids
 
 
-def _deadline_left(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
 async def run_episode(
     engine: Engine,
     renderer: Renderer,
@@ -92,7 +88,6 @@ async def run_episode(
 ) -> Episode:
     """Play one episode to its end and score it; the environment is closed in every case."""
     start = time.monotonic()
-    deadline = None if limits.timeout_s is None else start + limits.timeout_s
     stats: dict[str, float] = {"turns": 0.0, "gen_s": 0.0, "env_s": 0.0, "template_mismatches": 0.0}
     builder: _Builder | None = None
     end: EndReason = "max_turns"
@@ -102,57 +97,57 @@ async def run_episode(
     reward: float | None = None
     try:
         try:
-            messages: list[ChatMessage] = list(await asyncio.wait_for(env.reset(), _deadline_left(deadline)))
-            builder = _Builder(renderer.initial(messages))
-            for _ in range(limits.max_turns):
-                room = engine.max_context - len(builder.context)
-                if limits.max_tokens is not None:
-                    room = min(room, limits.max_tokens - len(builder.token_ids))
-                if room <= 0:
-                    end = "context_full"
-                    break
-                t0 = time.monotonic()
-                gen = await asyncio.wait_for(
-                    engine.generate(builder.context, replace(params, max_new_tokens=min(params.max_new_tokens, room))),
-                    _deadline_left(deadline),
-                )
-                stats["gen_s"] += time.monotonic() - t0
-                stats["turns"] += 1
-                builder.model_turn(gen)
-                truncated = gen.finish_reason == "length"
-                if gen.finish_reason == "context":
-                    end = "context_full"
-                    break
-                text = renderer.decode(gen.output_ids)
-                messages.append({"role": "assistant", "content": text})
-                t0 = time.monotonic()
-                try:
-                    step = await asyncio.wait_for(env.step(text), _deadline_left(deadline))
-                except (InfraError, asyncio.TimeoutError):
-                    raise
-                except Exception as exc:  # the environment broke on this action: the episode ends, scored
-                    log.warning("episode_env_error", sample=sample_id, error=f"{type(exc).__name__}: {exc}")
-                    end, error = "env_error", f"{type(exc).__name__}: {exc}"[:2000]
-                    break
-                finally:
-                    stats["env_s"] += time.monotonic() - t0
-                for key, value in step.info.items():
-                    stats[key] = stats.get(key, 0.0) + float(value)
-                if step.done:
-                    end = step.end_reason or "done"
-                    break
-                suffix = renderer.environment_turn(gen.output_ids, step.messages)
-                over_budget = (
-                    limits.max_tokens is not None and len(builder.token_ids) + len(suffix) >= limits.max_tokens
-                )
-                if over_budget or len(builder.context) + len(suffix) >= engine.max_context:
-                    end = "context_full"  # the environment's answer does not fit: no room for another turn
-                    break
-                builder.env_turn(suffix)
-                messages.extend(step.messages)
-                if limits.check_template and not renderer.check_prefix(messages, builder.context):
-                    stats["template_mismatches"] += 1
-        except asyncio.TimeoutError:
+            # One deadline for generation and environment together (one timer per episode, not one task per await).
+            async with asyncio.timeout(limits.timeout_s):
+                messages: list[ChatMessage] = list(await env.reset())
+                builder = _Builder(renderer.initial(messages))
+                for _ in range(limits.max_turns):
+                    room = engine.max_context - len(builder.context)
+                    if limits.max_tokens is not None:
+                        room = min(room, limits.max_tokens - len(builder.token_ids))
+                    if room <= 0:
+                        end = "context_full"
+                        break
+                    turn_params = params if room >= params.max_new_tokens else replace(params, max_new_tokens=room)
+                    t0 = time.monotonic()
+                    gen = await engine.generate(builder.context, turn_params)
+                    stats["gen_s"] += time.monotonic() - t0
+                    stats["turns"] += 1
+                    builder.model_turn(gen)
+                    truncated = gen.finish_reason == "length"
+                    if gen.finish_reason == "context":
+                        end = "context_full"
+                        break
+                    text = renderer.decode(gen.output_ids)
+                    messages.append({"role": "assistant", "content": text})
+                    t0 = time.monotonic()
+                    try:
+                        step = await env.step(text)
+                    except (InfraError, TimeoutError):
+                        raise
+                    except Exception as exc:  # the environment broke on this action: the episode ends, scored
+                        log.warning("episode_env_error", sample=sample_id, error=f"{type(exc).__name__}: {exc}")
+                        end, error = "env_error", f"{type(exc).__name__}: {exc}"[:2000]
+                        break
+                    finally:
+                        stats["env_s"] += time.monotonic() - t0
+                    for key, value in step.info.items():
+                        stats[key] = stats.get(key, 0.0) + float(value)
+                    if step.done:
+                        end = step.end_reason or "done"
+                        break
+                    suffix = renderer.environment_turn(gen.output_ids, step.messages)
+                    over_budget = (
+                        limits.max_tokens is not None and len(builder.token_ids) + len(suffix) >= limits.max_tokens
+                    )
+                    if over_budget or len(builder.context) + len(suffix) >= engine.max_context:
+                        end = "context_full"  # the environment's answer does not fit: no room for another turn
+                        break
+                    builder.env_turn(suffix)
+                    messages.extend(step.messages)
+                    if limits.check_template and not renderer.check_prefix(messages, builder.context):
+                        stats["template_mismatches"] += 1
+        except TimeoutError:
             end = "timeout"
         if builder is None:
             raise InfraError("the environment timed out before the episode started")
@@ -188,10 +183,11 @@ async def run_episode(
 async def _score(env: Environment, limits: EpisodeLimits, sample_id: str, error: str) -> tuple[Any, str, str]:
     """``(reward, status, error)``: a reward that raises, times out or is not a finite number fails the sample."""
     try:
-        value = await asyncio.wait_for(env.reward(), limits.reward_timeout_s)
+        async with asyncio.timeout(limits.reward_timeout_s):
+            value = await env.reward()
     except InfraError:
         raise
-    except asyncio.TimeoutError:
+    except TimeoutError:
         why = f"reward timed out after {limits.reward_timeout_s} s"
         log.warning("reward_failed", sample=sample_id, error=why)
         return None, "reward_failed", why
