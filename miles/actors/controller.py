@@ -352,8 +352,10 @@ class Controller(Actor):
             await self.bus.put_int(KEY_GROUPS_ISSUED, issued)
 
     async def _publish_batch(self, batch: GroupsIssued) -> list[Any]:
-        acks = []
-        for i, (sample_id, attempt) in enumerate(zip(batch.sample_ids, batch.attempts, strict=True)):
+        """Publish a batch's prompt groups all at once (pipelined: a worker finds the whole batch in the stream
+        and starts its groups together, in one engine batch, instead of one by one as the acks came back)."""
+
+        async def publish(i: int, sample_id: str, attempt: int) -> Any:
             sample = self.samples[sample_id]
             group = PromptGroup(
                 group_id=f"g{batch.first_index + i}",
@@ -367,9 +369,16 @@ class Controller(Actor):
                 attempt=attempt,
             )
             # The group id as message id: a copy sent again (a restart) is stored once.
-            acks.append(await self.bus.publish(self.bus.subjects.prompts, group, msg_id=group.group_id))
-            failpoint("issue")  # part of a batch is out (tests kill the controller mid-burst here)
-        return acks
+            ack = await self.bus.publish(self.bus.subjects.prompts, group, msg_id=group.group_id)
+            failpoint("issue")  # part of a batch is stored (tests kill the controller mid-burst here)
+            return ack
+
+        async with asyncio.TaskGroup() as tg:  # a publish that fails cancels the others and fails the controller
+            pending = [
+                tg.create_task(publish(i, s, a))
+                for i, (s, a) in enumerate(zip(batch.sample_ids, batch.attempts, strict=True))
+            ]
+        return [task.result() for task in pending]
 
     # ------------------------------------------------------------------ versions
 

@@ -31,6 +31,7 @@ from miles.bus.dataplane import WeightStore
 from miles.bus.runinfo import RunInfoError, check_worker_config, wait_run_info
 from miles.bus.schema import EvalShardResult, EvalTask, Heartbeat, PromptGroup, Trajectory, WeightsHeld
 from miles.engines.base import SamplingParams, StagingEngine
+from miles.heap import freeze_startup_heap
 from miles.rollout.env import EpisodeSpec
 from miles.rollout.episode import EpisodeLimits, run_episode
 from miles.rollout.evaluate import evaluate
@@ -157,6 +158,7 @@ class RolloutWorker(Actor):
             reward_timeout_s=episode.reward_timeout_s,
             check_template=episode.check_template,
         )
+        freeze_startup_heap()  # the engine's model and tokenizer: never walked by the collector again
         await self.engine.start()
         try:
             if receiver is not None:
@@ -263,6 +265,9 @@ class RolloutWorker(Actor):
         return None
 
     async def _prompt_loop(self, task: Task, renderer: Renderer, params: SamplingParams, limits: EpisodeLimits) -> None:
+        """Pull prompt groups while there is room, as many at a time as there is room for: a batch the controller
+        just issued starts together, its episodes sharing the engine's forward passes, instead of trickling in
+        one fetch (and one prefill) at a time."""
         sub = await self.bus.js.pull_subscribe_bind(
             durable=self.bus.subjects.ROLLOUT_CONSUMER, stream=self.bus.subjects.prompts_stream
         )
@@ -270,20 +275,26 @@ class RolloutWorker(Actor):
         try:
             async with asyncio.TaskGroup() as tg:
                 while not self.stopping.is_set():
-                    await room.acquire()
+                    free = await _take_all(room)
                     try:
-                        msgs = await sub.fetch(1, timeout=0.5)
+                        msgs = await sub.fetch(free, timeout=0.5)
                     except asyncio.TimeoutError:
+                        msgs = []
+                    # nats-py's fetch also hands over what earlier timed-out pulls left queued: more than asked.
+                    msgs, surplus = msgs[:free], msgs[free:]
+                    for msg in surplus:
+                        await msg.nak()  # back to the stream at once, for whichever worker has room
+                    for _ in range(free - len(msgs)):
                         room.release()
-                        continue
-                    group = await self.bus.accept(msgs[0], PromptGroup)
-                    refusal = None if group is None else self._prompt_refusal(group)
-                    if refusal is not None:
-                        await self.bus.refuse(msgs[0], f"prompt_group: {refusal}", category="untrusted")
-                    if group is None or refusal is not None:
-                        room.release()
-                        continue
-                    tg.create_task(self._play_group(msgs[0], group, task, renderer, params, limits, room))
+                    for msg in msgs:
+                        group = await self.bus.accept(msg, PromptGroup)
+                        refusal = None if group is None else self._prompt_refusal(group)
+                        if refusal is not None:
+                            await self.bus.refuse(msg, f"prompt_group: {refusal}", category="untrusted")
+                        if group is None or refusal is not None:
+                            room.release()
+                            continue
+                        tg.create_task(self._play_group(msg, group, task, renderer, params, limits, room))
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -405,6 +416,16 @@ class RolloutWorker(Actor):
             await self.bus.publish(self.bus.subjects.eval_results, result, msg_id=msg_id)
             await msg.ack()
             self.stats.evals += 1
+
+
+async def _take_all(room: asyncio.Semaphore) -> int:
+    """Wait for one slot of ``room``, then take every other free one too; returns how many were taken."""
+    await room.acquire()
+    taken = 1
+    while not room.locked():
+        await room.acquire()  # free: returns at once
+        taken += 1
+    return taken
 
 
 async def _until_stopped(stopping: asyncio.Event, work: Any) -> Any:
