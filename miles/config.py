@@ -472,6 +472,13 @@ class BusConfig(BusSecurityFields):
     ack_wait_s: float = Field(30.0, gt=0, description="Redelivery delay of an unacked prompt or trajectory.")
     heartbeat_s: float = Field(1.0, gt=0, description="Actor heartbeat period.")
     max_payload_mb: int = Field(8, ge=1, description="max_payload of the embedded server (weight chunk size follows).")
+    embedded_threads: int | None = Field(
+        1,
+        ge=1,
+        description="OS threads running the Go code of the nats-server `miles run` embeds (GOMAXPROCS). One serves a "
+        "single machine's actors with the fewest thread wake-ups (-20% of its CPU in the quickstart, "
+        "benchmarks/RESULTS.md); None: one per core, Go's default.",
+    )
     secure: bool = Field(
         True,
         description="`miles run` with its embedded server: generate the run's credentials bundle in <run dir>/auth "

@@ -155,7 +155,9 @@ async def run_local(cfg: RunConfig, run_dir: Path, nats_url: str | None, *, quie
     async with contextlib.AsyncExitStack() as stack:
         if nats_url is None:
             max_payload = cfg.bus.max_payload_mb * 2**20
-            embedded = EmbeddedNats(run_dir, max_payload=max_payload, extra_config=server_config)
+            embedded = EmbeddedNats(
+                run_dir, max_payload=max_payload, extra_config=server_config, go_threads=cfg.bus.embedded_threads
+            )
             server = await stack.enter_async_context(embedded)
             nats_url = server.url
         if cfg.bus.credentials_dir is None or (Path(cfg.bus.credentials_dir) / "setup").is_dir():

@@ -109,6 +109,7 @@ class EmbeddedNats:
         extra_config: str = "",
         jetstream: bool = True,
         js_domain: str | None = None,
+        go_threads: int | None = None,
     ) -> None:
         if not 1024 <= max_payload <= MAX_MAX_PAYLOAD:
             raise ValueError(f"max_payload must be in [1 KiB, 64 MiB], got {max_payload}")
@@ -126,6 +127,7 @@ class EmbeddedNats:
         self.extra_config = extra_config
         self.jetstream = jetstream  # False: a leaf node that uses its hub's JetStream
         self.js_domain = js_domain
+        self.go_threads = go_threads  # GOMAXPROCS of the server process; None: Go's default (one per core)
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
         self._url: str | None = None
@@ -207,6 +209,8 @@ class EmbeddedNats:
         if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
             # PDEATHSIG fires when the *thread* that forked exits, so only arm it from the main thread.
             kwargs["preexec_fn"] = _set_pdeathsig
+        if self.go_threads is not None:
+            kwargs["env"] = {**os.environ, "GOMAXPROCS": str(self.go_threads)}
         self._proc = subprocess.Popen(
             [str(binary), "-c", str(self.config_path)],
             stdin=subprocess.DEVNULL,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -43,6 +45,15 @@ async def test_max_payload_is_configurable(tmp_path: Path) -> None:
         await client.close()
     with pytest.raises(ValueError):
         EmbeddedNats(tmp_path, max_payload=128 * 1024 * 1024)
+
+
+async def test_go_threads_sets_the_servers_gomaxprocs(tmp_path: Path) -> None:
+    """`miles run` embeds its server with one Go thread (bus.embedded_threads); the server reports it in /varz."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+    for threads in (1, 2):
+        async with EmbeddedNats(tmp_path / str(threads), go_threads=threads) as srv:
+            with opener.open(f"{srv.monitor_url}/varz", timeout=5) as reply:
+                assert json.loads(reply.read())["gomaxprocs"] == threads
 
 
 async def test_stop_leaves_no_process_and_keeps_the_log(tmp_path: Path) -> None:
