@@ -64,7 +64,7 @@ def prepare_model(cfg: RunConfig, task: Any = None) -> Path:
     """The model directory of ``cfg.model``: a pretrained path checked, the tiny model or a family's tiny twin
     built (cached)."""
     from miles.models.loading import family_dir, pretrained_dir
-    from miles.models.tiny import ensure_tiny_model, tiny_model_dir
+    from miles.models.tiny_cache import ensure_tiny_model, tiny_model_dir
     from miles.tasks.fingerprint import task_fingerprint
     from miles.tasks.registry import build_task
 

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from miles.config import ArithmeticTaskConfig, JsonlTaskConfig, PretrainedModelConfig, RunConfig, TinyModelConfig
-from miles.models import tiny
+from miles.models import tiny, tiny_cache
 from miles.models.loading import (
     ModelNotFoundError,
     ModelNotPrepared,
@@ -39,7 +39,7 @@ def run_cfg(model: TinyModelConfig) -> RunConfig:
 
 
 def key(cfg: TinyModelConfig, task: object = TASK) -> str:
-    return tiny.cache_key(cfg, task_fingerprint(task))
+    return tiny_cache.cache_key(cfg, task_fingerprint(task))
 
 
 def test_char_tokenizer_round_trips_after_save(tmp_path: Path) -> None:
@@ -101,10 +101,10 @@ def test_warm_up_lowers_answer_loss() -> None:
 
 def test_warm_up_stops_at_the_target_accuracy(tmp_path: Path) -> None:
     reached = prepare_model(run_cfg(small_cfg(tmp_path / "a", warmup_steps=25, warmup_target_accuracy=0.0)))
-    info = json.loads((reached / tiny.BUILD_INFO_FILE).read_text())
+    info = json.loads((reached / tiny_cache.BUILD_INFO_FILE).read_text())
     assert info["warmup_steps_run"] == 10  # any accuracy meets 0.0 at the first check
     unreachable = prepare_model(run_cfg(small_cfg(tmp_path / "b", warmup_steps=25, warmup_target_accuracy=1.0)))
-    assert json.loads((unreachable / tiny.BUILD_INFO_FILE).read_text())["warmup_steps_run"] == 25
+    assert json.loads((unreachable / tiny_cache.BUILD_INFO_FILE).read_text())["warmup_steps_run"] == 25
 
 
 def test_ensure_tiny_model_builds_once_and_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,7 +130,7 @@ def test_ensure_tiny_model_builds_once_and_caches(tmp_path: Path, monkeypatch: p
     assert model_dir.parent == tmp_path / "cache"
     assert model_dir.name == f"tiny-{key(cfg)}"
     assert (model_dir / "model.safetensors").is_file()
-    info = json.loads((model_dir / tiny.BUILD_INFO_FILE).read_text())
+    info = json.loads((model_dir / tiny_cache.BUILD_INFO_FILE).read_text())
     assert 0.0 <= info["eval_accuracy"] <= 1.0
     # No temporary build directories are left behind.
     assert [p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()] == [model_dir.name]
