@@ -6,6 +6,13 @@ Quick check (both sides, 3 steps):
 
     python benchmarks/miles_vs_trl.py --recipe recipes/quickstart.yaml --set trainer.steps=3 --out /tmp/mvt.json
 
+Paired (``--pairs N``): N Miles runs and N TRL runs, interleaved M T, T M, M T, ... The ratios of each pair are
+taken between two runs minutes apart, so a shared machine's drift in speed (it moved CPU per step by 1.5x
+within an hour on the development machine) cancels within a pair; the headline is the median over pairs.
+
+    python benchmarks/miles_vs_trl.py --recipe recipes/quickstart.yaml --pairs 3 \\
+        --out benchmarks/results/miles_vs_trl.json
+
 Runs, one after the other (never concurrently, so neither steals the other's cores):
 
 1. Miles: ``python -m miles.cli run RECIPE --run-dir <tmp> --quiet``; reads the run's ``summary.json``
@@ -243,6 +250,15 @@ def compare(miles: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def median_ratios(per_pair: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Each ratio's median over the pairs that have it (None where no pair does)."""
+    out: dict[str, float | None] = {}
+    for key in per_pair[0]:
+        values = [r[key] for r in per_pair if isinstance(r.get(key), int | float)]
+        out[key] = statistics.median(values) if values else None
+    return out
+
+
 def _fmt(value: Any, digits: int = 3) -> str:
     if value is None:
         return "-"
@@ -307,9 +323,15 @@ def main(argv: list[str] | None = None) -> int:
         help="torch intra-op threads of the TRL process (default: the recipe's trainer.backend.threads).",
     )
     p.add_argument("--only", choices=("miles", "trl"), help="Run one side only (e.g. while the other is broken).")
+    p.add_argument(
+        "--pairs", type=int, default=1, help="Miles/TRL pairs, interleaved (M T, T M, ...); ratios: median of pairs."
+    )
     p.add_argument("--timeout-s", type=float, default=3600.0, help="Per-side time limit.")
     p.add_argument("--keep", action="store_true", help="Keep the work directory (Miles run dir, logs).")
     args = p.parse_args(argv)
+    if args.pairs < 1:
+        print("miles_vs_trl: error: --pairs must be at least 1", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.recipe, args.overrides)
     except ConfigError as exc:
@@ -325,19 +347,32 @@ def main(argv: list[str] | None = None) -> int:
     env = child_env(args.env_threads)
     work = Path(tempfile.mkdtemp(prefix="miles-vs-trl-"))
     skipped = {"error": "skipped (--only)"}
-    miles = {"framework": "miles", **skipped}
-    trl = {"framework": "trl", **skipped}
-    if args.only != "trl":
-        miles = run_miles(args.recipe, args.overrides, cfg, work, env, args.timeout_s)
-        if miles.get("error"):
-            _log(f"MILES FAILED: {miles['error']}\n{miles.get('log_tail', '')}")
-    if args.only != "miles":
-        trl = run_trl(args.recipe, args.overrides, work, env, args.trl_threads, args.timeout_s)
-        if trl.get("error"):
-            _log(f"TRL FAILED: {trl['error']}\n{trl.get('log_tail', '')}")
+    pairs: list[dict[str, Any]] = []
+    for index in range(args.pairs):
+        miles = {"framework": "miles", **skipped}
+        trl = {"framework": "trl", **skipped}
+        order = ("miles", "trl") if index % 2 == 0 else ("trl", "miles")  # alternate who runs first
+        for side in order:
+            if args.only not in (None, side):
+                continue
+            pair_dir = work / f"pair{index}"
+            pair_dir.mkdir(parents=True, exist_ok=True)
+            if side == "miles":
+                miles = run_miles(args.recipe, args.overrides, cfg, pair_dir, env, args.timeout_s)
+                if miles.get("error"):
+                    _log(f"MILES FAILED: {miles['error']}\n{miles.get('log_tail', '')}")
+            else:
+                trl = run_trl(args.recipe, args.overrides, pair_dir, env, args.trl_threads, args.timeout_s)
+                if trl.get("error"):
+                    _log(f"TRL FAILED: {trl['error']}\n{trl.get('log_tail', '')}")
+        ratios = compare(miles, trl)
+        print(f"pair {index + 1} of {args.pairs} ({' then '.join(order)}):")
+        print(table(miles, trl, ratios))
+        pairs.append({"order": list(order), "miles": miles, "trl": trl, "ratios": ratios})
 
-    ratios = compare(miles, trl)
-    print(table(miles, trl, ratios))
+    ratios = median_ratios([p["ratios"] for p in pairs])
+    if args.pairs > 1:
+        print(f"median over {args.pairs} pairs: " + ", ".join(f"{k} {_fmt(v, 3)}" for k, v in ratios.items()))
     result = {
         "recipe": args.recipe,
         "overrides": args.overrides,
@@ -349,17 +384,16 @@ def main(argv: list[str] | None = None) -> int:
         },
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "env_threads": {name: env[name] for name in THREAD_ENV},
-        "miles": miles,
-        "trl": trl,
-        "ratios": ratios,
+        "pairs": pairs,
+        "ratios": ratios,  # the median over pairs of each pair's ratio
         "work_dir": str(work),
     }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         _log(f"wrote {args.out}")
-    wanted = [s for s in (miles, trl) if s.get("error") != skipped["error"]]
-    failed = any(s.get("error") for s in wanted)
+    sides = [p[side] for p in pairs for side in ("miles", "trl")]
+    failed = any(s.get("error") and s["error"] != skipped["error"] for s in sides)
     if args.keep or failed:  # a failure's logs are what the error message points at
         _log(f"work directory kept: {work}")
     else:
