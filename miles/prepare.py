@@ -29,6 +29,7 @@ class PrepareError(ValueError):
 def prepare(cfg: RunConfig) -> Path:
     """Check the task and make the model ready; returns the model directory."""
     from miles.models.loading import ModelNotFoundError, load_tokenizer
+    from miles.models.tokenizer_facts import tokenizer_facts
     from miles.rollout.render import Renderer, TemplateError
     from miles.sandbox.base import SandboxError
     from miles.tasks.jsonl import TaskError
@@ -47,7 +48,9 @@ def prepare(cfg: RunConfig) -> Path:
         raise PrepareError(f"task: {exc}") from None
     try:
         model_dir = prepare_model(cfg, task)
-        Renderer(load_tokenizer(model_dir), task.render)  # the tokenizer can render this task's episodes
+        tokenizer = load_tokenizer(model_dir)
+        Renderer(tokenizer, task.render)  # the tokenizer can render this task's episodes
+        tokenizer_facts(model_dir, tokenizer)  # cached for the controller's run info (no transformers there)
     except (ModelNotFoundError, TemplateError) as exc:
         raise PrepareError(f"model: {exc}") from None
     if cfg.trainer.algo.distill is not None:  # a missing teacher, or the student itself, is refused here

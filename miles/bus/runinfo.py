@@ -247,9 +247,10 @@ def episode_info(cfg: Any) -> EpisodeInfo:
 def build_run_info(cfg: Any, model_dir: Path, *, run_nonce: str) -> tuple[RunInfo, dict[str, bytes]]:
     """The run info of ``cfg`` with the prepared model in ``model_dir``, and the files it lists.
 
-    Loads the tokenizer (transformers): call it in a worker thread.
+    The tokenizer's facts come from the cache preparation fills (:mod:`miles.models.tokenizer_facts`), else from
+    transformers: call it in a worker thread.
     """
-    from miles.models.loading import load_tokenizer, stop_token_ids
+    from miles.models.tokenizer_facts import tokenizer_facts
 
     model_dir = Path(model_dir)
     contents: dict[str, bytes] = {}
@@ -263,7 +264,7 @@ def build_run_info(cfg: Any, model_dir: Path, *, run_nonce: str) -> tuple[RunInf
     if "config.json" not in contents:
         raise RunInfoError(f"{model_dir} has no config.json: the run info needs the model's architecture")
     model_config = json.loads(contents["config.json"])
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = tokenizer_facts(model_dir)
     architectures = model_config.get("architectures") or ["unknown"]
     max_context = model_config.get("max_position_embeddings")
     info = RunInfo(
@@ -271,7 +272,7 @@ def build_run_info(cfg: Any, model_dir: Path, *, run_nonce: str) -> tuple[RunInf
         run_nonce=run_nonce,
         created_at=time.time(),
         task=task_info(cfg.task),
-        sampling=sampling_info(cfg, stop_token_ids(tokenizer, model_dir)),
+        sampling=sampling_info(cfg, tokenizer.stop_token_ids),
         episode=episode_info(cfg),
         group_size=cfg.rollout.group_size,
         sync=SyncInfo(mode=cfg.sync.mode, precision=cfg.sync.dtype, transport=cfg.sync.transport),
@@ -279,9 +280,9 @@ def build_run_info(cfg: Any, model_dir: Path, *, run_nonce: str) -> tuple[RunInf
         tokenizer=TokenizerInfo(
             files=[n for n in TOKENIZER_FILES if n in contents],
             bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id if isinstance(tokenizer.eos_token_id, int) else None,
+            eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
-            chat_template=getattr(tokenizer, "chat_template", None) or None,
+            chat_template=tokenizer.chat_template,
         ),
         model=ModelInfo(
             files=[n for n in MODEL_FILES if n in contents],

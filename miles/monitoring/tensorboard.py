@@ -1,8 +1,9 @@
 """TensorBoard event files of a run's scalars (step metrics and evaluations) in ``<run_dir>/tensorboard/``.
 
 Written by the controller from the run record, so ``tensorboard --logdir runs/`` compares runs without any
-extra process. TensorBoard is optional: ``torch.utils.tensorboard`` needs the ``tensorboard`` package, and
-without it nothing is written (logged once per process, so a run never fails for want of a viewer).
+extra process. TensorBoard is optional: without the ``tensorboard`` package nothing is written (logged once per
+process, so a run never fails for want of a viewer). The events go through tensorboard's own event-file writer,
+not ``torch.utils.tensorboard``: the controller imports no torch.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -36,21 +38,37 @@ def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 @functools.cache
 def _summary_writer() -> type | None:
-    """``SummaryWriter`` when TensorBoard imports, else None (logged the first time only).
-
-    The package is looked up before importing ``torch.utils.tensorboard``: without it, a controller (which
-    needs no torch otherwise) is spared importing torch for nothing.
-    """
+    """:class:`_EventWriter` when TensorBoard imports, else None (logged the first time only)."""
     hint = "pip install tensorboard to get event files"
     if importlib.util.find_spec("tensorboard") is None:
         log.info("tensorboard_unavailable", reason="the tensorboard package is not installed", hint=hint)
         return None
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        from tensorboard.compat.proto.event_pb2 import Event  # noqa: F401 (what _EventWriter needs, checked now)
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter  # noqa: F401
     except ImportError as exc:
         log.info("tensorboard_unavailable", reason=str(exc), hint=hint)
         return None
-    return SummaryWriter
+    return _EventWriter
+
+
+class _EventWriter:
+    """Scalar events into one event file of ``log_dir`` (TensorBoard's format, its own writer)."""
+
+    def __init__(self, log_dir: str, flush_secs: int) -> None:
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._file = EventFileWriter(log_dir, flush_secs=flush_secs)
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])
+        self._file.add_event(Event(wall_time=time.time(), step=int(step), summary=summary))
+
+    def close(self) -> None:
+        self._file.close()
 
 
 class TensorboardWriter:
@@ -62,7 +80,7 @@ class TensorboardWriter:
         self._writer: Any = None
         if writer_cls is not None:
             # A short flush interval: a live `tensorboard` sees the steps, and a killed controller loses little.
-            self._writer = writer_cls(log_dir=str(self.log_dir), flush_secs=flush_secs)
+            self._writer = writer_cls(str(self.log_dir), flush_secs)
 
     @property
     def available(self) -> bool:
