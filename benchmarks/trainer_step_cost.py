@@ -1,4 +1,5 @@
-"""CPU cost of one trainer step of a recipe, by part, with FSDP2 on a one-rank group against a plain module.
+"""CPU cost of one trainer step of a recipe, by part: FSDP2 on a one-rank group, a plain module, and a plain module
+packing every sample whole (no shared prompts).
 
     python benchmarks/trainer_step_cost.py --recipe recipes/quickstart.yaml \\
         --out benchmarks/results/trainer_step_cost.json
@@ -8,14 +9,16 @@ are CPU seconds of one process (``time.process_time``: every thread of it, gloo'
 with the machine's load. A batch of the recipe's shape (``groups_per_step x group_size`` episodes: the
 task's train prompts rendered as a worker renders them, completions of up to ``max_new_tokens`` tokens,
 random advantages and behaviour log-probs) goes through :class:`miles.training.step.RLStep` on a
-:class:`miles.backends.fsdp.FsdpBackend` built from the recipe's prepared model, in two set-ups, each in a
+:class:`miles.backends.fsdp.FsdpBackend` built from the recipe's prepared model, in three set-ups, each in a
 fresh process, interleaved over ``--repeats`` rounds:
 
 * ``fsdp_1rank``: a one-rank gloo group, so the model is ``fully_shard``-ed and every forward / backward
   runs FSDP2's all-gather and reduce-scatter hooks, every metric an ``all_reduce`` (what ``miles run`` did
   for ``trainer.ranks: 1`` until these figures, and still does with bfloat16 parameters);
 * ``plain``: the same backend without a process group, what ``build_backend`` now gives one rank with
-  float32 parameters.
+  float32 parameters;
+* ``plain_whole``: ``plain`` with ``trainer.backend.share_prompts=false``: each of a group's samples packed with
+  its own copy of the prompt, as before shared prompts.
 
 Per step (medians of ``--steps`` after ``--warmup``): the whole ``RLStep.run`` as it runs (``run``: one
 mini-batch, so the proximal log-probs come from the training forward) and with its own no-grad proximal
@@ -42,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-MODES = ("fsdp_1rank", "plain")
+MODES = ("fsdp_1rank", "plain", "plain_whole")
 
 
 def synth_batch(cfg: Any, tokenizer: Any, task: Any, seed: int) -> list[Any]:
@@ -87,6 +90,8 @@ def child(mode: str, recipe: str, overrides: list[str], steps: int, warmup: int,
     from miles.tasks.registry import build_task
     from miles.training.step import RLStep
 
+    if mode == "plain_whole":  # every sample packed whole: the recipe without shared prompts
+        overrides = [*overrides, "trainer.backend.share_prompts=false"]
     cfg = load_config(recipe, overrides)
     threads = getattr(cfg.trainer.backend, "threads", None)
     if threads is not None:
@@ -177,9 +182,8 @@ def main() -> int:
         mode: {k: round(statistics.median(r["median"][k] for r in runs if r["mode"] == mode), 2) for k in keys}
         for mode in MODES
     }
-    summary["plain_over_fsdp_1rank"] = {
-        k: round(summary["plain"][k] / summary["fsdp_1rank"][k], 3) for k in keys if summary["fsdp_1rank"][k]
-    }
+    for a, b in (("plain", "fsdp_1rank"), ("plain", "plain_whole")):
+        summary[f"{a}_over_{b}"] = {k: round(summary[a][k] / summary[b][k], 3) for k in keys if summary[b][k]}
     out = {
         "command": "python benchmarks/trainer_step_cost.py " + " ".join(sys.argv[1:]),
         "recipe": args.recipe,
