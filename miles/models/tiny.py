@@ -3,7 +3,7 @@
 It exists so that a full RL run (and the test-suite) needs no model download: the builder makes a
 policy that already emits well-formed answers but is only *sometimes* right, which leaves room for
 RL to show a measurable gain. Builds are cached by a hash of (model config, task fingerprint) and
-written atomically.
+written atomically (:mod:`miles.models.tiny_cache`, which locating a build needs without torch).
 
 This module knows nothing of tasks or engines: the preparation step (:mod:`miles.prepare`) hands it the
 warm-up examples (token ids and a loss mask, rendered from the task's demonstrations exactly as episodes
@@ -26,9 +26,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from miles.config import TinyModelConfig
-from miles.models.tiny_cache import (
-    BUILD_INFO_FILE,
-)
+from miles.models.tiny_cache import BUILD_INFO_FILE
 
 log = structlog.get_logger(__name__)
 
