@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 import structlog
+from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
@@ -51,7 +52,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from miles.bus.errors import BusError, ChecksumMismatch, PayloadMissing, TransientBusError
 from miles.bus.rawfetch import ChunkMissing, ChunkRequest, Endpoint, endpoint_from_client, fetch_chunks
-from miles.bus.retry import retrying
+from miles.bus.retry import Outage, ResilientJetStream, request_across_reconnects, retrying
 from miles.sync.checksum import ALGORITHM, digest, hasher
 
 log = structlog.get_logger(__name__)
@@ -211,6 +212,8 @@ class WeightStore:
         self.prefix = f"{run}.weights" if kind == "full" else f"{run}.wdelta"
         self._nc = js._nc  # the connection the context was made from (nats-py keeps no public accessor)
         self._api_prefix: str = getattr(js, "_prefix", "$JS.API")
+        # An actor's context: chunk requests cut off by a reconnect are sent again at once (not after timeout_s).
+        self._outage: Outage | None = js.outage if isinstance(js, ResilientJetStream) else None
 
     # ------------------------------------------------------------------ set-up
 
@@ -483,6 +486,11 @@ class WeightStore:
             api_prefix=self._api_prefix,
         )
 
+    async def _request(self, subject: str, payload: bytes) -> Msg:
+        if self._outage is None:
+            return await self._nc.request(subject, payload, timeout=self.timeout_s)
+        return await request_across_reconnects(self._nc, subject, payload, self.timeout_s, self._outage)
+
     async def _fetch_client(self, man: _Manifest, requests: list[ChunkRequest], dest: memoryview, window: int) -> None:
         """nats-py path: pipelined direct gets through the shared connection (slower: extra copies)."""
         subject = self.chunk_subject(man.version)
@@ -492,8 +500,8 @@ class WeightStore:
         async def one(index: int, req: ChunkRequest) -> None:
             async with gate:
                 try:
-                    msg = await self._nc.request(api, b'{"seq":%d}' % req.seq, timeout=self.timeout_s)
-                except NatsTimeoutError:
+                    msg = await self._request(api, b'{"seq":%d}' % req.seq)
+                except (NatsTimeoutError, asyncio.TimeoutError):
                     raise BusError(f"direct get of seq {req.seq} timed out after {self.timeout_s:.0f}s") from None
                 except NoRespondersError:
                     raise BusError(f"no direct-get responder for {self.stream}") from None

@@ -183,6 +183,21 @@ async def attempt(op: Callable[[], Awaitable[T]], limit_s: float, outage: Outage
     raise asyncio.TimeoutError
 
 
+async def request_across_reconnects(nc: Client, subject: str, payload: bytes, timeout_s: float, outage: Outage) -> Msg:
+    """``nc.request(subject, payload, timeout=timeout_s)`` of an idempotent service (a direct get, a teacher's
+    scoring), sent again each time the connection comes back from under it (:func:`attempt`) instead of waiting
+    out ``timeout_s``: a weight chunk's 60 s once stalled a remote worker's weights past the end of a run
+    whose leaf server had restarted. Raises what ``nc.request`` raises, or ``asyncio.TimeoutError`` for a try
+    stuck past its timeout (see ``STUCK_ATTEMPT_MARGIN_S``)."""
+    while True:
+        try:
+            return await attempt(
+                lambda: nc.request(subject, payload, timeout=timeout_s), timeout_s + STUCK_ATTEMPT_MARGIN_S, outage
+            )
+        except TransientBusError:
+            continue  # the request or its reply went down with the old connection: ask on the new one
+
+
 def _forget(task: asyncio.Future[Any]) -> None:
     """Retrieve an abandoned try's outcome (it was tried again), so asyncio does not log it as never retrieved."""
     if not task.cancelled():

@@ -196,8 +196,10 @@ class WeightFollower:
                     self.last_fetch_bytes = self._bytes
                     continue
             if got is None or got[1] <= self.held_version:
-                # Never apply a bad payload; try again shortly (or a newer version, if one was announced).
-                await asyncio.sleep(self.retry_s)
+                # Never apply a bad payload; try again shortly, or at once if a newer version was announced
+                # meanwhile (after an outage the version asked for has often been purged by newer ones).
+                if self.latest is ann:
+                    await asyncio.sleep(self.retry_s)
                 continue
             state, version = got
             self.last_fetch_s = time.perf_counter() - start

@@ -22,6 +22,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from miles.bus.client import Bus
+from miles.bus.retry import request_across_reconnects
 from miles.bus.schema import TeacherScoreReply, TeacherScoreRequest, TeacherSequence, encode
 
 log = structlog.get_logger(__name__)
@@ -60,8 +61,10 @@ class TeacherClient:
         why = "no reply"
         for attempt in range(1, self.attempts + 1):
             try:
-                msg = await self.bus.nc.request(self.subject, encode(request), timeout=self.timeout_s)
-            except (NatsTimeoutError, NoRespondersError) as exc:  # try again, then fail loudly
+                msg = await request_across_reconnects(
+                    self.bus.nc, self.subject, encode(request), self.timeout_s, self.bus.outage
+                )
+            except (NatsTimeoutError, asyncio.TimeoutError, NoRespondersError) as exc:  # try again, then fail loudly
                 why = type(exc).__name__
                 log.warning("teacher_request_failed", subject=self.subject, attempt=attempt, error=why)
                 continue

@@ -170,10 +170,14 @@ def test_a_remote_fleet_through_a_leaf_node_survives_a_lost_hub_node_and_a_cut_l
         log = cluster.log(name)
         assert "nats_disconnected" in log and "nats_reconnected" in log, f"{name} never lost its leaf node"
         assert applied_versions(cluster, name), f"{name} never received weights through the link"
+        # A chunk request in flight when the leaf died is asked again after the reconnect (miles.bus.request),
+        # not waited out: its 60 s timeout once stalled a worker's weights until after the run had ended.
+        stalled = [line for line in log.splitlines() if '"weights_fetch_failed"' in line and "timed out" in line]
+        assert not stalled, f"{name}: {stalled}"
     # Weights published after the link came back crossed it: the last step trained trajectories at most
     # max_staleness versions old, and only the remote site made trajectories. (Not asked of each worker: once
-    # the link is back the run's last steps take well under a second, and a worker that holds no group then
-    # may be stopped before its follower fetched them: CI saw one end at version 2.)
+    # the link is back the run's last steps may take under a second, and a worker that holds no group then
+    # may be stopped before its follower fetched them.)
     applied = {name: applied_versions(cluster, name) for name in REMOTE}
     newest = max(max(versions) for versions in applied.values())
     assert newest >= cfg.trainer.steps - 1 - cfg.staleness.max_staleness > restored_at, applied
