@@ -6,7 +6,8 @@ request is simply sent again) in chunks of ``chunk`` sequences, concurrently, an
 samples (``TrainSample.teacher_logprobs``, packed into ``teacher_logp`` like every per-token input). A reply
 that does not decode (``refused_malformed``) or does not fit its request (another id or length:
 ``refused_untrusted``) is refused through the trainer's bus (dead-lettered, counted in its heartbeat) and the
-chunk asked again; when no teacher answers a chunk after ``attempts`` tries the step fails with
+chunk asked again. While no teacher listens yet (they start with the trainer and load a model) a try waits for
+one, up to ``timeout_s``; when no teacher answers a chunk after ``attempts`` tries the step fails with
 :class:`TeacherUnavailable`, naming the subject: training without the teacher would silently distill nothing.
 """
 
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import structlog
+from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
@@ -26,6 +28,9 @@ from miles.bus.retry import request_across_reconnects
 from miles.bus.schema import TeacherScoreReply, TeacherScoreRequest, TeacherSequence, encode
 
 log = structlog.get_logger(__name__)
+
+NO_TEACHER_FIRST_WAIT_S = 0.05  # no teacher subscribed yet: look again after this, doubling ...
+NO_TEACHER_MAX_WAIT_S = 2.0  # ... up to this
 
 
 class TeacherUnavailable(RuntimeError):
@@ -61,9 +66,7 @@ class TeacherClient:
         why = "no reply"
         for attempt in range(1, self.attempts + 1):
             try:
-                msg = await request_across_reconnects(
-                    self.bus.nc, self.subject, encode(request), self.timeout_s, self.bus.outage
-                )
+                msg = await self._ask(encode(request))
             except (NatsTimeoutError, asyncio.TimeoutError, NoRespondersError) as exc:  # try again, then fail loudly
                 why = type(exc).__name__
                 log.warning("teacher_request_failed", subject=self.subject, attempt=attempt, error=why)
@@ -80,6 +83,27 @@ class TeacherClient:
                 continue
             return [list(row) for row in reply.logprobs]
         raise TeacherUnavailable(f"no teacher answered on {self.subject} after {self.attempts} tries ({why})")
+
+    async def _ask(self, payload: bytes) -> Msg:
+        """One try: the reply, within ``timeout_s``. While no teacher listens yet (no responders) it waits for one,
+        for up to ``timeout_s`` too: teacher actors start with the trainer and load a model, and the first step can
+        come before they subscribe (CI saw three immediate tries fail a run that way)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        delay = NO_TEACHER_FIRST_WAIT_S
+        while True:
+            try:
+                return await request_across_reconnects(
+                    self.bus.nc, self.subject, payload, self.timeout_s, self.bus.outage
+                )
+            except NoRespondersError:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise
+                if delay == NO_TEACHER_FIRST_WAIT_S:
+                    log.info("teacher_waiting", subject=self.subject, up_to_s=self.timeout_s)
+                await asyncio.sleep(min(delay, left))
+                delay = min(delay * 2, NO_TEACHER_MAX_WAIT_S)
 
 
 def teacher_client(cfg: Any, bus: Bus) -> TeacherClient | None:

@@ -113,6 +113,35 @@ async def test_no_teacher_is_a_loud_failure_not_a_silent_zero(
         await bus.close()
 
 
+async def test_a_teacher_that_starts_listening_late_is_waited_for(
+    student: Any,  # noqa: F811
+    nats_server: str,
+) -> None:
+    """The trainer's first step can come before the teacher actors subscribe (they load a model): no responders
+    is waited out, within timeout_s, not spent as the chunk's tries."""
+    cfg, _ = student
+    bus = await Bus.open(cfg.bus, nats_server, cfg.name + "-late", "trainer-0")
+    asked: list[str] = []
+
+    async def late_teacher(msg: Any) -> None:
+        request = decode(msg.data, TeacherScoreRequest)
+        asked.append(request.request_id)
+        rows = [[-0.25] * len(s.token_ids) for s in request.sequences]
+        await msg.respond(encode(TeacherScoreReply(request_id=request.request_id, teacher_id="late", logprobs=rows)))
+
+    try:
+        client = TeacherClient(bus, timeout_s=30, attempts=1)
+        scoring = asyncio.create_task(client.score(PAIRS[:1], temperature=1.0))
+        await asyncio.sleep(0.5)  # several no-responders answers meanwhile
+        assert not scoring.done()
+        sub = await bus.nc.subscribe(bus.subjects.teacher_score, cb=late_teacher)
+        (row,) = await asyncio.wait_for(scoring, 30)
+        assert row == [-0.25] * len(PAIRS[0][1]) and len(asked) == 1
+        await sub.unsubscribe()
+    finally:
+        await bus.close()
+
+
 class _FakeSglang(ThreadingHTTPServer):
     """Contract stand-in for SGLang's ``/generate`` in scoring mode: checks the request's shape and answers
     ``meta_info.input_token_logprobs`` (one entry per input token, the first one's logprob null)."""
