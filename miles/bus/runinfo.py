@@ -49,22 +49,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from miles.bus.errors import BusError
 from miles.bus.schema import SCHEMA_VERSION, Count, Message, SchemaError, encode
+from miles.models.tokenizer_facts import TOKENIZER_FILES, tokenizer_facts
 
 RUN_KEY = "run"
 FILE_CHUNK_BYTES = 512 * 1024
 MAX_FILE_BYTES = 64 * 1024 * 1024  # a tokenizer or model config, not weights
-# Tokenizer and architecture files published when the model directory has them (Hugging Face names).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-)
+# Tokenizer (TOKENIZER_FILES) and architecture files published when the model directory has them.
 MODEL_FILES = ("config.json", "generation_config.json")
 
 
@@ -250,8 +240,6 @@ def build_run_info(cfg: Any, model_dir: Path, *, run_nonce: str) -> tuple[RunInf
     The tokenizer's facts come from the cache preparation fills (:mod:`miles.models.tokenizer_facts`), else from
     transformers: call it in a worker thread.
     """
-    from miles.models.tokenizer_facts import tokenizer_facts
-
     model_dir = Path(model_dir)
     contents: dict[str, bytes] = {}
     for name in (*TOKENIZER_FILES, *MODEL_FILES):

@@ -43,7 +43,8 @@ def prepared_model_dir(model_cfg: Any, task_cfg: Any) -> Path:
     """Directory holding ``config.json``, weights and tokenizer for ``model_cfg``, as :mod:`miles.prepare`
     left it. Actors only locate what was prepared: they never build or warm up a model themselves."""
     if model_cfg.type == "tiny":
-        from miles.models.tiny_cache import is_built, tiny_model_dir
+        from miles.models.model_cache import is_built
+        from miles.models.tiny_cache import tiny_model_dir
         from miles.tasks.fingerprint import task_fingerprint
 
         path = tiny_model_dir(model_cfg, task_fingerprint(task_cfg))

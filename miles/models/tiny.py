@@ -26,7 +26,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from miles.config import TinyModelConfig
-from miles.models.tiny_cache import BUILD_INFO_FILE
+from miles.models.model_cache import BUILD_INFO_FILE
 
 log = structlog.get_logger(__name__)
 

@@ -7,32 +7,21 @@ on a cache hit) imports this and never torch or transformers, which cost a proce
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-import shutil
-import tempfile
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from miles.config import TinyModelConfig
+from miles.models.model_cache import build_once, default_cache_dir
 
 log = structlog.get_logger(__name__)
 
 # Bump when the builder changes in a way that changes the built model, to invalidate caches.
 BUILD_FORMAT = 2
-BUILD_INFO_FILE = "miles_build.json"
-
-
-def default_cache_dir() -> Path:
-    """``~/.cache/miles/models`` (respects ``XDG_CACHE_HOME``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "miles" / "models"
 
 
 def cache_key(model_cfg: TinyModelConfig, task_fingerprint: dict[str, Any]) -> str:
@@ -51,49 +40,14 @@ def tiny_model_dir(model_cfg: TinyModelConfig, task_fingerprint: dict[str, Any])
     return root / f"tiny-{cache_key(model_cfg, task_fingerprint)}"
 
 
-def is_built(model_dir: Path) -> bool:
-    return (model_dir / BUILD_INFO_FILE).is_file()
-
-
-@contextlib.contextmanager
-def _build_lock(path: Path) -> Iterator[None]:
-    """Advisory inter-process lock so that concurrent callers build once (atomic rename keeps it safe anyway)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - non-POSIX: rely on the atomic rename alone
-        yield
-        return
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def ensure_tiny_model(final: Path, build: Callable[[Path], Any]) -> Path:
-    """``final`` once a complete tiny-model build is there, calling ``build(tmp_dir)`` on a cache miss.
+    """``final`` once a complete tiny-model build is there, calling ``build(tmp_dir)`` on a cache miss
+    (:func:`~miles.models.model_cache.build_once`: built once, renamed into place whole)."""
 
-    The build goes to a private temporary directory that is renamed into place, so a reader never sees a
-    half-written model even if the builder crashes; an inter-process lock makes concurrent callers build once.
-    """
-    root = final.parent
-    root.mkdir(parents=True, exist_ok=True)
-    if is_built(final):
-        return final
-    with _build_lock(root / f".{final.name}.lock"):
-        if is_built(final):  # another process built it while we waited
-            return final
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.", dir=root))
-        try:
-            log.info("building tiny model", dir=str(final))
-            build(tmp)
-            try:
-                os.rename(tmp, final)
-            except OSError as exc:
-                if not is_built(final):
-                    raise RuntimeError(f"{final} exists but is not a complete tiny-model build; delete it") from exc
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    def logged(tmp: Path) -> Any:
+        log.info("building tiny model", dir=str(final))
+        return build(tmp)
+
+    build_once(final, logged, "tiny-model")
     log.info("tiny model ready", dir=str(final))
     return final

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 FACTS_FORMAT = 1
-# Every file transformers may read a tokenizer from, and the generation config that adds stop tokens.
-SOURCE_FILES = (
+# Every file transformers may read a tokenizer from (Hugging Face names; the run info publishes these too).
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -32,8 +32,9 @@ SOURCE_FILES = (
     "vocab.json",
     "merges.txt",
     "added_tokens.json",
-    "generation_config.json",
 )
+# What the facts depend on: the tokenizer, and the generation config that adds stop tokens.
+SOURCE_FILES = (*TOKENIZER_FILES, "generation_config.json")
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from miles.models.loading import (
     prepared_model_dir,
     stop_token_ids,
 )
+from miles.models.model_cache import BUILD_INFO_FILE
 from miles.prepare import prepare_model
 from miles.rollout.render import Renderer, demonstration_tokens
 from miles.tasks.fingerprint import task_fingerprint
@@ -101,10 +102,10 @@ def test_warm_up_lowers_answer_loss() -> None:
 
 def test_warm_up_stops_at_the_target_accuracy(tmp_path: Path) -> None:
     reached = prepare_model(run_cfg(small_cfg(tmp_path / "a", warmup_steps=25, warmup_target_accuracy=0.0)))
-    info = json.loads((reached / tiny_cache.BUILD_INFO_FILE).read_text())
+    info = json.loads((reached / BUILD_INFO_FILE).read_text())
     assert info["warmup_steps_run"] == 10  # any accuracy meets 0.0 at the first check
     unreachable = prepare_model(run_cfg(small_cfg(tmp_path / "b", warmup_steps=25, warmup_target_accuracy=1.0)))
-    assert json.loads((unreachable / tiny_cache.BUILD_INFO_FILE).read_text())["warmup_steps_run"] == 25
+    assert json.loads((unreachable / BUILD_INFO_FILE).read_text())["warmup_steps_run"] == 25
 
 
 def test_ensure_tiny_model_builds_once_and_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,7 +131,7 @@ def test_ensure_tiny_model_builds_once_and_caches(tmp_path: Path, monkeypatch: p
     assert model_dir.parent == tmp_path / "cache"
     assert model_dir.name == f"tiny-{key(cfg)}"
     assert (model_dir / "model.safetensors").is_file()
-    info = json.loads((model_dir / tiny_cache.BUILD_INFO_FILE).read_text())
+    info = json.loads((model_dir / BUILD_INFO_FILE).read_text())
     assert 0.0 <= info["eval_accuracy"] <= 1.0
     # No temporary build directories are left behind.
     assert [p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()] == [model_dir.name]

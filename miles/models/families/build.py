@@ -10,15 +10,9 @@ There is no SFT warm-up here: the twin is random-init; a warm-up, if any, is a s
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +23,12 @@ from miles.models.families.config import FamilyModelConfig, TinyDims
 from miles.models.families.registry import get_family
 from miles.models.families.rules import stop_token_ids_for
 from miles.models.families.tokenizer import CORPUS_VERSION, DEFAULT_VOCAB_SIZE, build_tokenizer
+from miles.models.model_cache import BUILD_INFO_FILE, build_once, default_cache_dir, is_built
 
 log = structlog.get_logger(__name__)
 
 # Bump when the builder changes what it writes, to invalidate cached twins.
 BUILD_FORMAT = 1
-BUILD_INFO_FILE = "miles_build.json"
 
 
 class CheckpointMismatchError(ValueError):
@@ -43,12 +37,6 @@ class CheckpointMismatchError(ValueError):
 
 class TwinNotBuiltError(FileNotFoundError):
     """A tiny twin that preparation has not built on this machine."""
-
-
-def default_cache_dir() -> Path:
-    """``~/.cache/miles/models`` (respects ``XDG_CACHE_HOME``), shared with the tiny Llama's cache."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "miles" / "models"
 
 
 def twin_cache_key(family: ModelFamily, dims: TinyDims, seed: int) -> str:
@@ -113,22 +101,6 @@ def write_tiny_twin(family: ModelFamily, out_dir: Path, dims: TinyDims | None = 
     return info
 
 
-@contextlib.contextmanager
-def _build_lock(path: Path) -> Iterator[None]:
-    """Advisory inter-process lock so that concurrent callers build once (the atomic rename keeps it safe anyway)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - non-POSIX: rely on the atomic rename alone
-        yield
-        return
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def tiny_twin_dir(
     family: ModelFamily | str, root: str | Path | None = None, dims: TinyDims | None = None, seed: int = 0
 ) -> Path:
@@ -136,11 +108,6 @@ def tiny_twin_dir(
     family = get_family(family) if isinstance(family, str) else family
     root = Path(root).expanduser() if root is not None else default_cache_dir()
     return root / f"{family.name}-tiny-{twin_cache_key(family, dims or TinyDims(), seed)}"
-
-
-def is_twin_built(path: Path) -> bool:
-    """Whether ``path`` holds a complete twin build (its build info is written last)."""
-    return (path / BUILD_INFO_FILE).is_file()
 
 
 def build_tiny_twin(
@@ -154,24 +121,10 @@ def build_tiny_twin(
     family = get_family(family) if isinstance(family, str) else family
     dims = dims or TinyDims()
     final = tiny_twin_dir(family, root, dims, seed)
-    if is_twin_built(final):
-        return final
-    root = final.parent
-    root.mkdir(parents=True, exist_ok=True)
-    with _build_lock(root / f".{final.name}.lock"):
-        if (final / BUILD_INFO_FILE).is_file():  # another process built it while we waited
-            return final
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.", dir=root))
-        try:
-            info = write_tiny_twin(family, tmp, dims, seed)
-            try:
-                os.rename(tmp, final)
-            except OSError as exc:
-                if not (final / BUILD_INFO_FILE).is_file():
-                    raise RuntimeError(f"{final} exists but is not a complete twin build; delete it") from exc
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    log.info("tiny twin built", family=family.name, dir=str(final), params=info["num_parameters"], s=info["build_s"])
+    info = build_once(final, lambda tmp: write_tiny_twin(family, tmp, dims, seed), "twin")
+    if info is not None:
+        params, seconds = info["num_parameters"], info["build_s"]
+        log.info("tiny twin built", family=family.name, dir=str(final), params=params, s=seconds)
     return final
 
 
@@ -186,7 +139,7 @@ def resolve_family_dir(cfg: FamilyModelConfig, *, build: bool = True) -> Path:
         if build:
             return build_tiny_twin(family, cfg.cache_dir, cfg.tiny, cfg.seed)
         path = tiny_twin_dir(family, cfg.cache_dir, cfg.tiny, cfg.seed)
-        if not is_twin_built(path):
+        if not is_built(path):
             raise TwinNotBuiltError(
                 f"the {family.display_name} tiny twin of this recipe is not built on this machine ({path}); run "
                 "`miles prepare RECIPE` first (`miles run` does it for you)"
