@@ -12,6 +12,7 @@ import asyncio
 from pathlib import Path
 
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 
 from miles.bus.cluster import free_port
 from miles.bus.connect import close_client, connect
@@ -39,7 +40,15 @@ async def test_a_request_lost_with_its_server_is_sent_again_after_the_reconnect(
     try:
         await responder.subscribe("svc.get", cb=answer)
         await responder.flush()
-        reply = asyncio.create_task(request_across_reconnects(requester, "svc.get", b"seq-5", HOUR_S, outage))
+
+        async def ask() -> Msg:
+            while True:
+                try:
+                    return await request_across_reconnects(requester, "svc.get", b"seq-5", HOUR_S, outage)
+                except NoRespondersError:  # sent again before the responder subscribed again: ask again, as callers do
+                    await asyncio.sleep(0.05)
+
+        reply = asyncio.create_task(ask())
         await asyncio.wait_for(held.wait(), 30)
         server.kill()
         await server.start()  # same port: both clients reconnect, the responder re-subscribes
