@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument(
         "--prometheus-port", type=int, metavar="PORT", help="Serve Prometheus /metrics on PORT (0: any free port)."
     )
+    sub.add_parser(
+        "vllm-env",
+        help="Build (once) and print the python of the cached vLLM environment (rollout.engine.type: vllm).",
+    )
     # Listed for --help only: main() hands everything after `creds` to its own parser (miles.security.cli).
     sub.add_parser("creds", help="Generate a run's per-role NATS credentials, TLS and signing keys (docs/security.md).")
     return p
@@ -80,6 +84,15 @@ def main(argv: list[str] | None = None) -> int:
             return _prepare(load_config(args.recipe, args.overrides))
         if args.command == "config":
             print(dump_config(load_config(args.recipe, args.overrides)), end="")
+            return 0
+        if args.command == "vllm-env":
+            from miles.engines.vllm.env import VllmEnvError, ensure_vllm_env
+
+            try:
+                print(ensure_vllm_env())
+            except VllmEnvError as exc:
+                print(f"miles: error: {exc}", file=sys.stderr)
+                return 1
             return 0
         if args.command == "bus":
             return asyncio.run(_serve_bus(Path(args.run_dir), args.max_payload_mb))

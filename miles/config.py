@@ -179,8 +179,45 @@ class SglangEngineConfig(Strict):
     )
 
 
+class VllmEngineConfig(Strict):
+    """A vLLM server driven over HTTP (docs/engines.md): started and supervised by the rollout worker, from the
+    cached vLLM environment (``miles vllm-env``), or an existing server at ``url``."""
+
+    type: Literal["vllm"] = "vllm"
+    url: str | None = Field(
+        None,
+        description="Base URL of a running vLLM server (started with Miles' worker extension, docs/engines.md); "
+        "None: the worker starts its own server and restarts it when it dies or hangs.",
+    )
+    python: str | None = Field(
+        None, description="Python of the vLLM environment (None: the one `miles vllm-env` builds and caches)."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Server compute dtype. float32 on CPUs that advertise but cannot run AMX bf16 kernels.",
+    )
+    threads: int = Field(1, ge=1, description="OMP threads of the server's worker process.")
+    kv_cache_gib: int = Field(1, ge=1, description="CPU KV cache of the server (VLLM_CPU_KVCACHE_SPACE), GiB.")
+    max_num_seqs: int = Field(256, ge=1, description="Requests the server batches at once.")
+    max_context: int | None = Field(
+        None, ge=1, description="Prompt + output tokens per request (--max-model-len; None: the checkpoint's)."
+    )
+    enforce_eager: bool = Field(True, description="No graph capture or compilation (faster start on CPU).")
+    seed: int = Field(0, description="The server's sampling seed.")
+    extra_args: list[str] = Field(default_factory=list, description="More `vllm serve` arguments, appended as given.")
+    timeout_s: float = Field(600.0, gt=0, description="HTTP timeout per request.")
+    startup_timeout_s: float = Field(600.0, gt=0, description="How long a starting server may take to answer /health.")
+    health_every_s: float = Field(2.0, gt=0, description="Seconds between the supervisor's /health checks.")
+    health_timeout_s: float = Field(10.0, gt=0, description="Timeout of one /health check.")
+    hang_checks: int = Field(3, ge=1, description="Unanswered /health checks in a row that count as a hung server.")
+    max_restarts: int = Field(5, ge=0, description="Server restarts before the engine (and the worker) fails.")
+
+
 EngineConfig = Annotated[
-    Annotated[TorchEngineConfig, Tag("torch")] | Annotated[SglangEngineConfig, Tag("sglang")], _variant("torch")
+    Annotated[TorchEngineConfig, Tag("torch")]
+    | Annotated[SglangEngineConfig, Tag("sglang")]
+    | Annotated[VllmEngineConfig, Tag("vllm")],
+    _variant("torch"),
 ]
 
 
@@ -546,6 +583,21 @@ class RunConfig(Strict):
             raise ValueError(f"sync.transport {self.sync.transport!r} carries full payloads: it needs sync.mode 'full'")
         if self.trainer.lora is not None and self.sync.dtype in ("fp8_e4m3", "fp4_e2m1"):
             raise ValueError(f"sync.dtype {self.sync.dtype!r} is not supported with trainer.lora (adapters are bf16)")
+        if self.rollout.engine.type == "vllm":
+            if self.sync.mode == "lora":
+                raise ValueError(
+                    "rollout.engine.type 'vllm' does not take sync.mode 'lora' yet (docs/engines.md): use sync.mode "
+                    "'full' or 'delta', or the torch engine for LoRA"
+                )
+            if self.sync.transport == "broadcast":
+                raise ValueError(
+                    "rollout.engine.type 'vllm' loads weights from files: use sync.transport 'bus' or 'fs'"
+                )
+            if self.rollout.sampling.top_p < 1:
+                raise ValueError(
+                    "rollout.sampling.top_p < 1 with rollout.engine.type 'vllm': vLLM reports log-probs after the "
+                    "top-p cut, not the behaviour log-probs the off-policy corrections need; keep top_p at 1"
+                )
         return self
 
 

@@ -60,7 +60,21 @@ def prepare(cfg: RunConfig) -> Path:
             check_teacher(cfg.trainer.algo.distill.teacher.path, model_dir)
         except TeacherError as exc:
             raise PrepareError(str(exc)) from None
+    prepare_engine(cfg)
     return model_dir
+
+
+def prepare_engine(cfg: RunConfig) -> None:
+    """A vLLM engine that the workers start themselves needs the vLLM environment: built here, once (cached)."""
+    engine = cfg.rollout.engine
+    if engine.type != "vllm" or engine.url or engine.python:
+        return
+    from miles.engines.vllm.env import VllmEnvError, ensure_vllm_env
+
+    try:
+        ensure_vllm_env()
+    except VllmEnvError as exc:
+        raise PrepareError(f"rollout.engine: {exc}") from None
 
 
 def prepare_model(cfg: RunConfig, task: Any = None) -> Path:

@@ -77,6 +77,9 @@ class RolloutWorker(Actor):
                 "engine_load_failures": float(getattr(self.engine, "failures", 0)),
                 "engine_error": float(self.engine.error is not None),
             }
+            server_stats = getattr(self.engine, "heartbeat_stats", None)  # a server the worker supervises
+            if server_stats is not None:
+                stats |= server_stats()
         state = "running" if not hasattr(self, "engine") or self.engine.error is None else "engine_error"
         return Heartbeat(role=self.role, actor_id=self.actor_id, version=version, state=state, stats=stats)
 
@@ -101,7 +104,9 @@ class RolloutWorker(Actor):
         seed = cfg.seed * 1_000_003 + zlib.crc32(self.actor_id.encode())  # distinct samples per worker
         # Version -1: the engine generates nothing until it holds a published, verified version (even
         # version 0 is fetched: the trainer's rollout-precision weights, not the float32 checkpoint).
-        engine = await asyncio.to_thread(build_engine, cfg.rollout.engine, model_dir, -1, seed)
+        engine = await asyncio.to_thread(
+            build_engine, cfg.rollout.engine, model_dir, -1, seed, work_dir=self.run_dir / "engines" / self.actor_id
+        )
         tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
         renderer = Renderer(tokenizer, task.render)
         store = await WeightStore.create(
@@ -206,6 +211,8 @@ class RolloutWorker(Actor):
         from miles.engines.sglang_staging import SglangStagingEngine
 
         lora = self.cfg.trainer.lora if self.cfg.sync.mode == "lora" else None
+        if self.cfg.rollout.engine.type == "vllm":  # loads whole states from files, in the server's own dtype
+            return engine, EngineWeights(dict, precision=self.cfg.sync.dtype, adapters="merge")
         if isinstance(engine, SglangEngine):
             engine_cfg = self.cfg.rollout.engine
             weights_dir = getattr(engine_cfg, "adapter_dir", None) or self.run_dir / "weights" / self.actor_id

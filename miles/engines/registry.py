@@ -5,18 +5,25 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from miles.config import SglangEngineConfig, TorchEngineConfig
+from miles.config import SglangEngineConfig, TorchEngineConfig, VllmEngineConfig
 from miles.engines.base import Engine
 
 
 def build_engine(
-    cfg: TorchEngineConfig | SglangEngineConfig, model_dir: str | Path, version: int = 0, seed: int | None = None
+    cfg: TorchEngineConfig | SglangEngineConfig | VllmEngineConfig,
+    model_dir: str | Path,
+    version: int = 0,
+    seed: int | None = None,
+    *,
+    work_dir: str | Path | None = None,
 ) -> Engine:
     """An engine (not started) serving the checkpoint in ``model_dir`` at policy ``version``.
 
     For ``torch`` the model is loaded here (and ``cfg.threads`` applied to this process, since torch's
     intra-op pool is per process); ``seed`` seeds its sampling. For ``sglang`` the server already holds
     the model; ``model_dir`` only supplies the context window when ``cfg`` does not, and ``seed`` is unused.
+    For ``vllm`` the engine starts (or joins) its server in ``start()``; ``work_dir`` holds its weight files and
+    server log (``seed`` is the server's ``cfg.seed``).
     """
     if cfg.type == "torch":
         import torch
@@ -34,6 +41,21 @@ def build_engine(
 
         max_context = cfg.max_context or checkpoint_context(model_dir)
         return SglangEngine(cfg, version=version, max_context=max_context)
+    if cfg.type == "vllm":
+        from miles.engines.vllm.engine import VllmEngine
+
+        if work_dir is None:
+            raise ValueError("a vllm engine needs work_dir (its weight files and server log)")
+        work = Path(work_dir)
+        max_context = cfg.max_context or checkpoint_context(model_dir) or 2048
+        return VllmEngine(
+            cfg,
+            model_dir,
+            version=version,
+            weights_dir=work / "weights",
+            log_path=work / "vllm.log",
+            max_context=max_context,
+        )
     raise ValueError(f"unknown engine type {cfg.type!r}")
 
 

@@ -203,14 +203,17 @@ class SglangStagingEngine:
         """Park ``state`` as ``version`` for the background loader; False if not newer than the version
         adopted, being loaded or already staged (a newer stage replaces an older one not yet taken).
 
-        Never blocks on disk or HTTP. Raises ``ValueError`` (nothing staged) for :class:`SparseValues`, for
+        Never blocks on disk or HTTP. Declines (False) the follower's delta fast path (sparse values against
+        ``base_version``): the follower stages the reconstructed whole state instead. Raises ``ValueError``
+        (nothing staged) for other :class:`SparseValues`, for
         ``complete=False`` in full mode (SGLang reloads whole checkpoints: reconstruct a delta first) and,
         in LoRA mode, for a state that is not a peft LoRA adapter of ``lora``'s rank and target modules.
-        ``base_version`` is ignored: what is staged is whole (a full state, or a whole adapter). The caller
-        must not mutate the tensors afterwards.
+        Otherwise ``base_version`` is ignored: what is staged is whole (a full state, or a whole adapter). The
+        caller must not mutate the tensors afterwards.
         """
-        del base_version  # a full state or a whole adapter does not depend on what the server holds
         sparse = [k for k, v in state.items() if isinstance(v, SparseValues)]
+        if base_version is not None and sparse and self.lora is None:
+            return False  # the follower's delta fast path, declined: it stages the whole reconstructed state then
         if sparse:
             raise ValueError(
                 f"stage_weights: SGLang loads whole tensors from disk; {len(sparse)} sparse update(s) "

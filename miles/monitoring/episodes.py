@@ -74,8 +74,11 @@ def summed(all_stats: Iterable[Mapping[str, float]]) -> dict[str, float]:
 
 
 def engine_flags(state: str, stats: Mapping[str, float]) -> dict[str, Any]:
-    """SGLang (or any engine) health: weight loads that failed, and whether the engine is dead."""
+    """Engine health: weight loads that failed, whether the engine is dead, and for an inference server the
+    worker supervises (vLLM) whether it is up and how often it was restarted."""
     return {
         "engine_error": state == "engine_error" or stats.get("engine_error", 0.0) > 0,
         "engine_load_failures": int(stats.get("engine_load_failures", 0.0)),
+        "engine_server_down": stats.get("engine_server_up", 1.0) == 0,
+        "engine_restarts": int(stats.get("engine_restarts", 0.0)),
     }

@@ -378,6 +378,8 @@ class RunState:
             "rollout_episodes": rollout,
             "engine_errors": [wid for wid, w in workers.items() if w["engine_error"]],
             "engine_load_failures": sum(w["engine_load_failures"] for w in workers.values()),
+            "engine_servers_down": [wid for wid, w in workers.items() if w["engine_server_down"]],
+            "engine_restarts": sum(w["engine_restarts"] for w in workers.values()),
             "discards": {
                 "dropped": int(tstats.get("dropped", 0)),
                 "requeued": int(tstats.get("requeued", 0)),

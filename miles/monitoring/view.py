@@ -36,6 +36,10 @@ def _header(snap: dict[str, Any]) -> Text:
         text.append(f"  ENGINE ERROR: {', '.join(snap['engine_errors'])}", style="bold red")
     if snap["engine_load_failures"]:
         text.append(f"  weight loads failed x{snap['engine_load_failures']}", style="bold red")
+    if snap.get("engine_servers_down"):
+        text.append(f"  INFERENCE SERVER DOWN: {', '.join(snap['engine_servers_down'])}", style="bold red")
+    if snap.get("engine_restarts"):
+        text.append(f"  inference server restarts x{snap['engine_restarts']}", style="bold yellow")
     return text
 
 

@@ -375,3 +375,16 @@ def test_version_steps_keep_the_newest() -> None:
     for version in (5, 1, 9, 7):
         versions.learn(version, version // 2)
     assert len(versions) == 3 and versions.step_of(1) is None and versions.newest() == (9, 4)
+
+
+def test_a_supervised_inference_server_down_or_restarted_shows_in_the_monitor(state: RunState) -> None:
+    state.on_heartbeat(_hb("rollout", "w0", 5, T0 + 0.1, engine_server_up=1.0, engine_restarts=2.0))
+    state.on_heartbeat(_hb("rollout", "w1", 5, T0 + 0.1, engine_server_up=0.0, engine_restarts=1.0))
+    state.on_heartbeat(_hb("rollout", "w2", 5, T0 + 0.1))  # the torch engine: no server to report
+    snap = state.snapshot(T0 + 0.5)
+    assert snap["engine_servers_down"] == ["w1"] and snap["engine_restarts"] == 3
+    assert not snap["workers"]["w2"]["engine_server_down"] and snap["workers"]["w0"]["engine_restarts"] == 2
+    console = Console(width=160, record=True)
+    console.print(render(snap))
+    text = console.export_text()
+    assert "INFERENCE SERVER DOWN: w1" in text and "inference server restarts x3" in text

@@ -240,8 +240,11 @@ async def test_full_mode_writes_a_checkpoint_and_reloads_it(fake: GatedServer, t
 def test_full_mode_refuses_sparse_and_partial_updates(fake: GatedServer, tmp_path: Path) -> None:
     engine = SglangStagingEngine(sglang(fake), tmp_path / "weights")
     sparse = {"model.norm.weight": SparseValues(torch.tensor([0, 3]), torch.tensor([1.0, 2.0]))}
+    # The follower's delta fast path (a base version given) is declined, not refused: the follower then stages
+    # the whole reconstructed state. Raising there ended the follower in delta mode.
+    assert not engine.stage_weights(sparse, 1, base_version=0, complete=False)
     with pytest.raises(ValueError, match="sparse"):
-        engine.stage_weights(sparse, 1, base_version=0, complete=False)
+        engine.stage_weights(sparse, 1)
     with pytest.raises(ValueError, match="complete=False"):
         engine.stage_weights({"model.norm.weight": torch.ones(HIDDEN)}, 1, complete=False)
     assert engine.pending_version is None and engine.version == 0

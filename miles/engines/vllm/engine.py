@@ -1,0 +1,586 @@
+"""Engine that drives a vLLM server over HTTP: token ids in and out, many requests in flight.
+
+The worker starts the server itself (:class:`~miles.engines.vllm.server.VllmServer`, from the cached vLLM
+environment) unless ``rollout.engine.url`` points at one already running. The contract we rely on, checked
+against a real vLLM CPU server by ``tests/integration/test_vllm_engine.py``:
+
+* ``POST /inference/v1/generate`` with ``token_ids`` and ``sampling_params`` (``max_tokens``,
+  ``temperature``, ``top_p``, ``stop_token_ids``, ``logprobs: 0``) answers one choice: ``token_ids`` (a stop
+  token that ended it included), ``logprobs.content[i].logprob`` (the sampled token's log-probability after
+  temperature: the server runs with ``--logprobs-mode processed_logprobs``; with ``top_p < 1`` vLLM reports
+  it after the top-p cut, which is not what our importance ratios assume, so keep ``top_p`` at 1 with this
+  engine), ``finish_reason`` and ``weight_versions``: ``[{version, start, end}]``, the weight version that
+  sampled each span of output tokens, as the server itself recorded it.
+* Weight updates: the worker writes the staged state to ``<weights_dir>/v<version>.safetensors``, then
+  ``POST /pause?mode=keep`` (requests in flight freeze where they are), ``POST /collective_rpc``
+  ``miles_load_weights(path, digest)`` (Miles' worker extension reads the file, checks its digest, reloads
+  the weights in place through vLLM's own reload path and answers the digest it loaded),
+  ``POST /update_weight_version``, ``POST /resume``. Frozen requests continue under the new weights and the
+  server splits their ``weight_versions`` at the switch, so per-token versions stay exact without aborting
+  and resubmitting anything. A refused or failed load resumes on the old weights and version; it is counted
+  (``failures``) and tried again a second later, unless a newer version was staged meanwhile.
+* The server dying (its process exits) or hanging (``/health`` unanswered ``hang_checks`` times in a row) is
+  seen by a supervisor task: generation is held, the server is killed and started again, the held version's
+  file is loaded back (and verified), and requests that were in flight are sent again from their start
+  (nothing of them was returned, so nothing is lost or used twice). After ``max_restarts`` restarts the
+  engine fails (:attr:`error`) and the worker with it, so its unacked prompt groups go to another worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import structlog
+
+from miles.config import VllmEngineConfig
+from miles.engines.base import EngineError, FinishReason, Generation, SamplingParams, SparseValues
+
+if TYPE_CHECKING:
+    import torch
+
+    from miles.engines.vllm.server import VllmServer
+
+log = structlog.get_logger(__name__)
+
+MAX_CONNECTIONS = 512
+RETRY_S = 1.0  # a failed load (the server restarting under it, a refused file) is tried again after this
+KEEP_FILES = 2  # weight files kept: the held version's (a restarted server loads it back) and the newest
+
+
+class VllmError(EngineError):
+    """The server refused a request or answered outside the contract above."""
+
+
+class ServerDown(Exception):
+    """A request found the server gone (connection refused or dropped): wait for the restart, send again."""
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    return " ".join(text.split())[:limit]
+
+
+def _finish_reason(raw: Any) -> FinishReason:
+    if raw == "length":
+        return "length"
+    if raw == "stop":
+        return "stop"
+    raise VllmError(f"generation did not finish normally: finish_reason={raw!r}")
+
+
+def _engine_dead(server: VllmServer, response: httpx.Response) -> bool:
+    """A 5xx that means the server is going down (its engine core died), not that it refused this request."""
+    return server.exited() is not None or "EngineDead" in response.text or "EngineCore encountered" in response.text
+
+
+class VllmEngine:
+    """:class:`~miles.engines.base.StagingEngine` over a vLLM server (started here, or at ``cfg.url``)."""
+
+    def __init__(
+        self,
+        cfg: VllmEngineConfig,
+        model_dir: str | Path,
+        *,
+        version: int = -1,
+        weights_dir: str | Path,
+        log_path: str | Path,
+        max_context: int,
+    ) -> None:
+        self.cfg = cfg
+        self.model_dir = Path(model_dir)
+        self.weights_dir = Path(weights_dir).resolve()  # the server opens it: an absolute path
+        self.log_path = Path(log_path)
+        self._max_context = max_context
+        self._version = int(version)
+        self.server: VllmServer | None = None
+        self.base_url = cfg.url.rstrip("/") if cfg.url else ""
+        self._client: httpx.AsyncClient | None = None
+        self._error: EngineError | None = None
+        self._lock = threading.Lock()  # guards _staged (stage_weights may be called from any thread)
+        self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._loading: int | None = None
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._serving = asyncio.Event()  # set while requests may go to the server (cleared during a restart)
+        self._pins = 0
+        self._unpinned = asyncio.Event()
+        self._unpinned.set()
+        self._held_file: tuple[int, Path, str] | None = None  # version, file, digest the server holds
+        self._tasks: list[asyncio.Task[None]] = []
+        self.switches = 0
+        self.last_pause_s = 0.0
+        self.last_write_s = 0.0
+        self.failures = 0
+        self.last_error: Exception | None = None
+        self.restarts = 0
+        self.resent = 0  # requests sent again after a restart
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def pending_version(self) -> int | None:
+        with self._lock:
+            if self._staged is not None:
+                return self._staged[0]
+            return self._loading
+
+    def heartbeat_stats(self) -> dict[str, float]:
+        """Server health for the worker's heartbeat (and so the monitor)."""
+        up = self._serving.is_set() and (self.server is None or self.server.exited() is None)
+        return {
+            "engine_server_up": float(up),
+            "engine_restarts": float(self.restarts),
+            "engine_resent": float(self.resent),
+            "weight_load_failures": float(self.failures),
+            "weight_load_failing": float(self.last_error is not None),
+            "last_write_ms": self.last_write_s * 1e3,
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self._client is not None:
+            raise EngineError("VllmEngine is already started")
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        if not self.cfg.url:
+            from miles.engines.vllm.env import ensure_vllm_env
+            from miles.engines.vllm.server import VllmServer
+
+            python = self.cfg.python or await asyncio.to_thread(ensure_vllm_env)
+            self.server = VllmServer(self.cfg, python, self.model_dir, self.log_path)
+            await self.server.start()
+            self.base_url = self.server.url
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(self.cfg.timeout_s, pool=None),
+            limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=64),
+        )
+        self._serving.set()
+        self._tasks = [asyncio.create_task(self._apply_staged(), name="vllm.weights")]
+        if self.server is not None:
+            self._tasks.append(asyncio.create_task(self._supervise(), name="vllm.supervisor"))
+        for task in self._tasks:
+            task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        """A background task that ends other than by cancellation fails the engine (never silently)."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and self._error is None:
+            self._error = exc if isinstance(exc, EngineError) else EngineError(f"{task.get_name()}: {exc!r}")
+            log.error("vllm_engine_failed", task=task.get_name(), error=str(exc))
+            self._serving.set()  # waiting requests wake up and raise
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+        if self.server is not None:
+            await self.server.stop()
+
+    async def __aenter__(self) -> VllmEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @contextlib.asynccontextmanager
+    async def pinned(self) -> AsyncIterator[int]:
+        """No staged weights switch in until the block ends (an evaluation at one version)."""
+        self._pins += 1
+        self._unpinned.clear()
+        try:
+            yield self._version
+        finally:
+            self._pins -= 1
+            if self._pins == 0:
+                self._unpinned.set()
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        if len(prompt_ids) == 0:
+            raise ValueError("every prompt needs at least one token (encode_prompt adds BOS)")
+        if params.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {params.max_new_tokens}")
+        budget = min(params.max_new_tokens, self._max_context - len(prompt_ids))
+        if budget <= 0:
+            self._raise_if_failed()
+            return Generation(list(prompt_ids), [], [], "context", self._version)
+        payload = {
+            "token_ids": list(prompt_ids),
+            "sampling_params": {
+                "max_tokens": budget,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "stop_token_ids": list(params.stop_token_ids),
+                "logprobs": 0,
+                "ignore_eos": not params.stop_token_ids,  # only the caller's stop tokens end a request
+            },
+        }
+        while True:
+            await self._serving.wait()
+            self._raise_if_failed()
+            client = self._client
+            if client is None:
+                raise EngineError("VllmEngine is not started: use `async with engine:` or `await engine.start()`")
+            try:
+                reply = await self._post_generate(client, payload)
+            except ServerDown as exc:
+                if self.server is None:  # not ours to restart
+                    self._error = EngineError(f"cannot reach vLLM at {self.base_url}: {exc}")
+                    raise self._error from None
+                self.resent += 1
+                await self._wait_for_restart()
+                continue
+            gen = self._parse(list(prompt_ids), reply)
+            if gen.finish_reason == "length" and budget < params.max_new_tokens:
+                gen.finish_reason = "context"
+            return gen
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise EngineError(str(self._error)) from self._error
+
+    async def _wait_for_restart(self) -> None:
+        """A request lost its connection: send it again once the server answers /health. That is at once when
+        only the connection dropped (a keep-alive connection the server closed), else after the supervisor
+        has restarted the server (only the supervisor decides that the server is down)."""
+        async with asyncio.timeout(self.cfg.startup_timeout_s * 2 + 60):
+            while True:
+                self._raise_if_failed()
+                if self._serving.is_set() and self.server is not None and self.server.exited() is None:
+                    if await self._answers_health():
+                        return
+                await asyncio.sleep(0.2)
+
+    async def _answers_health(self) -> bool:
+        client = self._client
+        if client is None:
+            return False
+        try:
+            return (await client.get("/health", timeout=self.cfg.health_timeout_s)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def _post_generate(self, client: httpx.AsyncClient, payload: dict[str, Any]) -> dict[str, Any]:
+        try:
+            response = await client.post("/inference/v1/generate", json=payload)
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            raise ServerDown(f"{type(exc).__name__}: {_one_line(str(exc))}") from None
+        except httpx.HTTPError as exc:
+            raise VllmError(f"POST /inference/v1/generate: {type(exc).__name__}: {_one_line(str(exc))}") from None
+        if response.status_code >= 500 and self.server is not None and _engine_dead(self.server, response):
+            raise ServerDown(f"HTTP {response.status_code} from a server whose engine died")
+        return self._json("POST", "/inference/v1/generate", response)
+
+    def _parse(self, prompt: list[int], reply: Mapping[str, Any]) -> Generation:
+        choices = reply.get("choices")
+        if not isinstance(choices, list) or len(choices) != 1:
+            raise VllmError(f"/inference/v1/generate answered {len(choices or [])} choices, expected 1")
+        choice = choices[0]
+        output_ids = [int(t) for t in choice.get("token_ids") or []]
+        content = (choice.get("logprobs") or {}).get("content")
+        if content is None or len(content) != len(output_ids):
+            raise VllmError(
+                f"/inference/v1/generate: {len(output_ids)} token ids but "
+                f"{'no' if content is None else len(content)} log-probs (was logprobs: 0 sent?)"
+            )
+        if any(int(entry["token_id"]) != tok for entry, tok in zip(content, output_ids, strict=True)):
+            raise VllmError("/inference/v1/generate: log-probs are not of the returned token ids")
+        spans = self._spans(choice.get("weight_versions"), len(output_ids))
+        return Generation(
+            prompt_ids=prompt,
+            output_ids=output_ids,
+            logprobs=[float(entry["logprob"]) for entry in content],
+            finish_reason=_finish_reason(choice.get("finish_reason")),
+            weight_version=spans[0][1],
+            version_spans=spans,
+        )
+
+    def _spans(self, raw: Any, n_tokens: int) -> list[tuple[int, int]]:
+        """The server's ``weight_versions`` as ``[(first index, version)]``; its label before our first load
+        (``default``) is the version the engine was built with."""
+        if not raw:
+            return [(0, self._version)]
+        spans: list[tuple[int, int]] = []
+        for span in raw:
+            label = str(span.get("version"))
+            try:
+                version = int(label)
+            except ValueError:
+                if label != "default":
+                    raise VllmError(f"weight_versions names version {label!r}, not one Miles set") from None
+                version = self._version if not spans else spans[-1][1]
+            start = int(span.get("start", 0))
+            if spans and spans[-1][1] == version:
+                continue
+            spans.append((start, version))
+        if spans[0][0] != 0 or any(b[0] <= a[0] for a, b in zip(spans, spans[1:], strict=False)):
+            raise VllmError(f"weight_versions {raw!r} do not cover {n_tokens} tokens in order")
+        return spans
+
+    def _json(self, method: str, path: str, response: httpx.Response) -> Any:
+        if response.status_code >= 400:
+            raise VllmError(f"{method} {path} -> HTTP {response.status_code}: {_one_line(response.text)}")
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            raise VllmError(f"{method} {path}: response is not JSON: {_one_line(response.text, 200)!r}") from None
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        client = self._client
+        if client is None:
+            raise EngineError("VllmEngine is not started")
+        try:
+            response = await client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise VllmError(f"{method} {path}: {type(exc).__name__}: {_one_line(str(exc))}") from None
+        return self._json(method, path, response)
+
+    # ------------------------------------------------------------------ weights
+
+    def stage_weights(
+        self,
+        state: Mapping[str, torch.Tensor | SparseValues],
+        version: int,
+        *,
+        base_version: int | None = None,
+        complete: bool = True,
+    ) -> bool:
+        """Park a whole state as ``version`` for the loader task; False if not newer than what it has.
+
+        Never blocks. vLLM reloads whole tensors from a file: a sparse update (the delta fast path) is not
+        staged (False, so the follower stages the whole reconstructed state instead), and ``complete=False``
+        is refused with ``ValueError``."""
+        if base_version is not None and (not complete or any(isinstance(v, SparseValues) for v in state.values())):
+            return False  # the delta fast path, declined: the follower then stages the whole reconstructed state
+        if any(isinstance(v, SparseValues) for v in state.values()):
+            raise ValueError("stage_weights: vLLM loads whole tensors, not sparse updates")
+        if not state:
+            raise ValueError("stage_weights: empty state")
+        if not complete:
+            raise ValueError("stage_weights: vLLM reloads whole states; reconstruct a partial update first")
+        version = int(version)
+        with self._lock:
+            newest = max(self._version, self._loading if self._loading is not None else -1)
+            if self._staged is not None:
+                newest = max(newest, self._staged[0])
+            if version <= newest:
+                return False
+            self._staged = (version, dict(state))  # type: ignore[arg-type]  # no SparseValues left
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+        return True
+
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int, *, complete: bool = True) -> None:
+        """Load ``state`` as ``version`` now (blocking, from a thread other than the engine's event loop)."""
+        if not complete:
+            raise ValueError("load_weights: vLLM reloads whole states")
+        loop = self._loop
+        if loop is None:
+            raise EngineError("VllmEngine is not started")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            raise RuntimeError("VllmEngine.load_weights blocks: call it from another thread, or stage_weights")
+        asyncio.run_coroutine_threadsafe(self._load(int(version), dict(state)), loop).result()
+        if self._version != int(version):
+            raise EngineError(f"loading version {version} failed: {self.last_error}")
+
+    async def _apply_staged(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                staged, self._staged = self._staged, None
+                if staged is not None:
+                    self._loading = staged[0]
+            if staged is None:
+                continue
+            try:
+                await self._load(*staged)
+            finally:
+                with self._lock:
+                    self._loading = None
+
+    async def _load(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        start = time.perf_counter()
+        path, digest = await asyncio.to_thread(self._write, version, state)
+        self.last_write_s = time.perf_counter() - start
+        await self._unpinned.wait()  # an evaluation in progress keeps its version
+        await self._serving.wait()
+        try:
+            pause_s = await self._switch(version, path, digest)
+        except EngineError as exc:
+            self.failures += 1
+            self.last_error = exc
+            log.error("vllm_weights_load_failed", version=version, error=str(exc))
+            with self._lock:  # try this version again unless a newer one came meanwhile
+                if self._staged is None:
+                    self._staged = (version, state)
+            await asyncio.sleep(RETRY_S)
+            assert self._wake is not None
+            self._wake.set()
+            return
+        self.last_error = None
+        self.switches += 1
+        self.last_pause_s = pause_s
+        self._held_file = (version, path, digest)
+        await asyncio.to_thread(self._prune, path)
+        log.info("vllm_weights_loaded", version=version, pause_ms=round(pause_s * 1e3, 1), digest=digest)
+
+    async def _switch(self, version: int, path: Path, digest: str) -> float:
+        """Pause (requests freeze in place), load and verify, label the version, resume; the pause's length."""
+        start = time.perf_counter()
+        await self._call("POST", "/pause", params={"mode": "keep"})
+        try:
+            await self._rpc_load(path, digest)
+            try:
+                await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
+            except EngineError:
+                await self._restore_held()  # new weights under the old label: never serve that
+                raise
+            self._version = version
+        finally:
+            await self._call("POST", "/resume")
+        return time.perf_counter() - start
+
+    async def _rpc_load(self, path: Path, digest: str) -> None:
+        reply = await self._call(
+            "POST",
+            "/collective_rpc",
+            json={"method": "miles_load_weights", "kwargs": {"path": str(path), "digest": digest}},
+        )
+        results = reply.get("results") if isinstance(reply, dict) else None
+        if not isinstance(results, list) or not results:
+            raise VllmError(f"miles_load_weights answered {reply!r}")
+        for result in results:  # one per server worker (tensor-parallel ranks)
+            if not isinstance(result, dict) or not result.get("ok"):
+                error = result.get("error") if isinstance(result, dict) else result
+                raise VllmError(f"the vLLM server did not load {path.name}: {error}")
+            if result.get("digest") != digest:
+                raise VllmError(f"the vLLM server loaded digest {result.get('digest')}, expected {digest}")
+
+    async def _restore_held(self) -> None:
+        held = self._held_file
+        try:
+            if held is None:
+                raise VllmError("no earlier weight file to go back to")
+            await self._rpc_load(held[1], held[2])
+        except EngineError as exc:
+            self._error = EngineError(f"the vLLM server holds weights of no known version: {exc}")
+            raise self._error from None
+
+    async def held_digest(self) -> str:
+        """The digest of the weights the server says it holds (its own answer, not ours)."""
+        reply = await self._call("POST", "/collective_rpc", json={"method": "miles_held_digest"})
+        results = reply.get("results") if isinstance(reply, dict) else None
+        if not isinstance(results, list) or not results or len(set(results)) != 1:
+            raise VllmError(f"miles_held_digest answered {reply!r}")
+        return str(results[0])
+
+    def _write(self, version: int, state: dict[str, torch.Tensor]) -> tuple[Path, str]:
+        from safetensors.torch import save_file
+
+        from miles.sync.precision import state_digest
+
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        contiguous = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
+        path = self.weights_dir / f"v{version}.safetensors"
+        tmp = path.with_suffix(".tmp")
+        save_file(contiguous, str(tmp))
+        tmp.replace(path)
+        return path, state_digest(contiguous)
+
+    def _prune(self, keep: Path) -> None:
+        files = sorted(self.weights_dir.glob("v*.safetensors"), key=lambda p: p.stat().st_mtime)
+        for old in files[:-KEEP_FILES]:
+            if old != keep:
+                old.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ supervision
+
+    async def _supervise(self) -> None:
+        """Watch the server; restart it when it exits or stops answering /health."""
+        assert self.server is not None
+        misses = 0
+        async with httpx.AsyncClient(timeout=self.cfg.health_timeout_s) as probe:
+            while True:
+                await asyncio.sleep(self.cfg.health_every_s)
+                code = self.server.exited()
+                reason = None if code is None else f"exited with status {code}"
+                if reason is None:
+                    try:
+                        ok = (await probe.get(f"{self.base_url}/health")).status_code == 200
+                    except httpx.HTTPError:
+                        ok = False
+                    misses = 0 if ok else misses + 1
+                    if misses >= self.cfg.hang_checks:
+                        reason = f"/health unanswered {misses} times"
+                if reason is not None:
+                    misses = 0
+                    await self._restart(reason)
+
+    async def _restart(self, reason: str) -> None:
+        assert self.server is not None
+        self._serving.clear()
+        self.restarts += 1
+        log.error("vllm_server_down", reason=reason, restarts=self.restarts, pid=self.server.pid)
+        if self.restarts > self.cfg.max_restarts:
+            raise EngineError(
+                f"vLLM server {reason}; restarted {self.cfg.max_restarts} times already "
+                "(rollout.engine.max_restarts): giving up"
+            )
+        self.server.kill()
+        await self.server.start()
+        self.base_url = self.server.url
+        old, self._client = (
+            self._client,
+            httpx.AsyncClient(
+                base_url=self.base_url,
+                timeout=httpx.Timeout(self.cfg.timeout_s, pool=None),
+                limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=64),
+            ),
+        )
+        if old is not None:
+            await old.aclose()
+        held = self._held_file
+        if held is not None:  # the new server starts from the checkpoint: give it the version we hold
+            version, path, digest = held
+            await self._rpc_load(path, digest)
+            await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
+        log.info("vllm_server_restarted", restarts=self.restarts, version=self._version, pid=self.server.pid)
+        self._serving.set()

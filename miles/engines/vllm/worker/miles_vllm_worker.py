@@ -1,0 +1,71 @@
+"""Miles' side inside a vLLM server: a worker extension that loads a versioned weight file in place.
+
+This file runs in the vLLM server's own Python environment (``miles vllm-env``), not in Miles': it imports
+only torch, safetensors and xxhash, never ``miles``. The server is started with
+``--worker-extension-cls miles_vllm_worker.MilesWeightLoader`` and this folder on ``PYTHONPATH``; the Miles
+client calls its methods through vLLM's ``POST /collective_rpc`` (string arguments only).
+
+``miles_load_weights(path, digest)``: read the safetensors file the worker wrote, hash it with the same
+digest as :func:`miles.sync.precision.state_digest` (names, dtypes, shapes, raw bytes; a unit test pins the
+two together), refuse it (raise, nothing loaded) if that is not the expected digest, else copy the tensors
+into the running model with its own ``load_weights`` (which knows vLLM's fused layouts) and return the
+digest. ``miles_held_digest()`` answers the digest of the last file loaded, so the server itself vouches for
+what it holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import xxhash
+from safetensors.torch import load_file
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """The same bytes as ``miles.sync.precision.state_digest`` (tests/unit/test_vllm_engine.py checks it)."""
+    h = xxhash.xxh3_128()
+    for name in sorted(state):
+        t = state[name].detach()
+        dtype_name = str(t.dtype).removeprefix("torch.")
+        raw = t.to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        header = f"{name}\0{dtype_name}\0{','.join(map(str, t.shape))}\0{raw.numel()}\n".encode()
+        h.update(len(header).to_bytes(8, "little"))
+        h.update(header)
+        if raw.numel():
+            h.update(raw.numpy())
+    return h.hexdigest()
+
+
+class MilesWeightLoader:
+    """Mixed into vLLM's worker class (``--worker-extension-cls``); ``self.model_runner`` is the worker's.
+
+    Methods answer ``{"ok": False, "error": ...}`` instead of raising: an exception in a worker RPC takes the
+    whole vLLM engine down, and a refused update must leave the server serving the weights it had.
+    """
+
+    model_runner: Any
+    vllm_config: Any
+
+    def miles_load_weights(self, path: str, digest: str) -> dict[str, Any]:
+        try:
+            state = load_file(path)
+        except Exception as exc:  # noqa: BLE001 - answered to the client, never a default
+            return {"ok": False, "error": f"cannot read weight file {path}: {type(exc).__name__}: {exc}"}
+        got = state_digest(state)
+        if got != digest:
+            return {"ok": False, "error": f"weight file {path} has digest {got}, expected {digest}: not loaded"}
+        try:
+            from vllm.config import set_current_vllm_config
+
+            with set_current_vllm_config(self.vllm_config):
+                # In place, through vLLM's reload path: it re-runs the kernels' weight processing (packing).
+                self.model_runner.reload_weights(weights_iterator=iter(state.items()), is_checkpoint_format=True)
+        except Exception as exc:  # noqa: BLE001 - the model may be half-written: the client marks it unusable
+            self._miles_digest = ""
+            return {"ok": False, "error": f"loading {path} failed: {type(exc).__name__}: {exc}", "partial": True}
+        self._miles_digest = got
+        return {"ok": True, "digest": got, "tensors": len(state)}
+
+    def miles_held_digest(self) -> str:
+        return getattr(self, "_miles_digest", "")

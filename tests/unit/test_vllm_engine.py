@@ -1,0 +1,139 @@
+"""Control logic of the vLLM engine that needs no server: the server-side digest is Miles' digest, the
+server's weight-version spans become ours, the config refuses what the engine cannot do, the command line."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles.config import ConfigError, VllmEngineConfig, load_config
+from miles.engines.vllm.engine import VllmEngine, VllmError
+from miles.engines.vllm.server import WORKER_DIR, server_command
+from miles.sync.precision import state_digest
+
+
+def load_worker_module():
+    spec = importlib.util.spec_from_file_location("miles_vllm_worker", WORKER_DIR / "miles_vllm_worker.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_server_side_digest_is_miles_state_digest() -> None:
+    worker = load_worker_module()
+    torch.manual_seed(0)
+    state = {
+        "b.weight": torch.randn(3, 4).to(torch.bfloat16),
+        "a.bias": torch.randn(5),
+        "c.scale": torch.tensor(2.0),
+        "empty": torch.zeros(0, 2),
+    }
+    assert worker.state_digest(state) == state_digest(state)
+    flipped = dict(state, **{"a.bias": state["a.bias"].clone()})
+    flipped["a.bias"].view(torch.int32)[0] ^= 1
+    assert worker.state_digest(flipped) != state_digest(state)
+
+
+def test_the_worker_module_imports_nothing_of_miles() -> None:
+    source = (WORKER_DIR / "miles_vllm_worker.py").read_text()
+    assert "import miles" not in source and "from miles" not in source  # it runs in vLLM's environment
+
+
+def make_engine(version: int = 3) -> VllmEngine:
+    return VllmEngine(
+        VllmEngineConfig(url="http://127.0.0.1:1"),
+        "/nonexistent",
+        version=version,
+        weights_dir="/tmp/unused",
+        log_path="/tmp/unused.log",
+        max_context=64,
+    )
+
+
+def test_weight_version_spans_become_ours() -> None:
+    engine = make_engine(3)
+    assert engine._spans([{"version": "3", "start": 0, "end": 4}], 4) == [(0, 3)]
+    assert engine._spans([{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}], 5) == [
+        (0, 3),
+        (2, 4),
+    ]
+    assert engine._spans([{"version": "default", "start": 0, "end": 1}], 1) == [(0, 3)]
+    assert engine._spans(None, 2) == [(0, 3)]
+    with pytest.raises(VllmError, match="not one Miles set"):
+        engine._spans([{"version": "mystery", "start": 0, "end": 1}], 1)
+    with pytest.raises(VllmError, match="in order"):
+        engine._spans([{"version": "3", "start": 1, "end": 2}], 2)
+
+
+def test_a_reply_whose_logprobs_are_of_other_tokens_is_refused() -> None:
+    engine = make_engine()
+    reply = {
+        "choices": [
+            {
+                "token_ids": [5, 6],
+                "finish_reason": "length",
+                "logprobs": {"content": [{"token_id": 5, "logprob": -1.0}, {"token_id": 7, "logprob": -2.0}]},
+            }
+        ]
+    }
+    with pytest.raises(VllmError, match="not of the returned token ids"):
+        engine._parse([1], reply)
+    reply["choices"][0]["logprobs"]["content"][1]["token_id"] = 6
+    gen = engine._parse([1], reply)
+    assert gen.output_ids == [5, 6] and gen.logprobs == [-1.0, -2.0] and gen.version_spans == [(0, 3)]
+
+
+def test_sparse_updates_are_declined_partial_states_refused_and_older_versions_ignored() -> None:
+    from miles.engines.base import SparseValues
+
+    engine = make_engine(3)
+    # The delta fast path is declined (False), so the follower stages the whole state, as it does for any
+    # engine that cannot take one (it must not raise: that would end the worker).
+    sparse = {"w": SparseValues(torch.tensor([0]), torch.tensor([1.0]))}
+    assert not engine.stage_weights(sparse, 4, base_version=3, complete=False)
+    assert engine.pending_version is None
+    with pytest.raises(ValueError, match="sparse"):
+        engine.stage_weights(sparse, 4)
+    with pytest.raises(ValueError, match="whole states"):
+        engine.stage_weights({"w": torch.zeros(1)}, 4, complete=False)
+    assert not engine.stage_weights({"w": torch.zeros(1)}, 3)
+    assert engine.stage_weights({"w": torch.zeros(1)}, 5) and engine.pending_version == 5
+
+
+def write_recipe(tmp_path: Path, extra: str) -> Path:
+    path = tmp_path / "r.yaml"
+    path.write_text("rollout:\n  engine:\n    type: vllm\n" + extra)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("sync:\n  mode: lora\ntrainer:\n  lora: {rank: 4}\n", "does not take sync.mode 'lora'"),
+        ("sync:\n  transport: broadcast\n", "loads weights from files"),
+        ("  sampling:\n    top_p: 0.9\n", "top-p cut"),
+    ],
+)
+def test_the_config_refuses_what_the_vllm_engine_cannot_do(tmp_path: Path, extra: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(str(write_recipe(tmp_path, extra)), [])
+
+
+def test_the_server_command_serves_token_ids_with_processed_logprobs_and_our_extension() -> None:
+    cfg = VllmEngineConfig(max_context=64, extra_args=["--block-size", "16"])
+    cmd = server_command("/py", cfg, "/model", 8000)
+    text = " ".join(cmd)
+    for part in (
+        "--skip-tokenizer-init",
+        "--logprobs-mode processed_logprobs",
+        "--enable-scale-out",
+        "--worker-extension-cls miles_vllm_worker.MilesWeightLoader",
+        "--max-model-len 64",
+        "--dtype float32",
+    ):
+        assert part in text
+    assert cmd[-2:] == ["--block-size", "16"]
