@@ -41,6 +41,7 @@ import structlog
 
 from miles.config import VllmEngineConfig
 from miles.engines.base import EngineError, FinishReason, Generation, SamplingParams, SparseValues
+from miles.engines.sglang_engine import _one_line
 
 if TYPE_CHECKING:
     import torch
@@ -60,10 +61,6 @@ class VllmError(EngineError):
 
 class ServerDown(Exception):
     """A request found the server gone (connection refused or dropped): wait for the restart, send again."""
-
-
-def _one_line(text: str, limit: int = 300) -> str:
-    return " ".join(text.split())[:limit]
 
 
 def _finish_reason(raw: Any) -> FinishReason:
@@ -564,7 +561,7 @@ class VllmEngine:
                 f"vLLM server {reason}; restarted {self.cfg.max_restarts} times already "
                 "(rollout.engine.max_restarts): giving up"
             )
-        self.server.kill()
+        await asyncio.to_thread(self.server.kill)  # reaps the process group: never on the event loop
         await self.server.start()
         self.base_url = self.server.url
         old, self._client = (

@@ -119,7 +119,7 @@ class VllmServer:
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:
-                    self.kill()
+                    await asyncio.to_thread(self.kill)
                     raise EngineError(
                         f"vLLM server not healthy after {self.cfg.startup_timeout_s:.0f} s "
                         f"(rollout.engine.startup_timeout_s): {self._log_tail()}"
@@ -152,7 +152,7 @@ class VllmServer:
         """SIGTERM, a grace period, then SIGKILL."""
         proc = self.proc
         if proc is None or proc.poll() is not None:
-            self.kill()
+            await asyncio.to_thread(self.kill)
             return
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -162,4 +162,4 @@ class VllmServer:
             if proc.poll() is not None:
                 break
             await asyncio.sleep(0.1)
-        self.kill()
+        await asyncio.to_thread(self.kill)
