@@ -43,9 +43,9 @@ from typing import Any
 import structlog
 
 from miles.bus.connect import connect
-from miles.bus.dataplane import CHUNK_HEADROOM, WeightStore
 from miles.bus.server import EmbeddedNats
 from miles.sync.checksum import digest
+from miles.sync.transport.dataplane import CHUNK_HEADROOM, WeightStore
 
 MiB = 1024 * 1024
 

@@ -25,11 +25,11 @@ from pathlib import Path
 import structlog
 
 from miles.bus.connect import connect
-from miles.bus.dataplane import RAW_FETCH_MIN_BYTES, WeightStore
 from miles.bus.server import EmbeddedNats
 from miles.bus.setup import setup_run
 from miles.config import BusConfig
 from miles.security.bundle import RoleCredentials, server_config, write_bundle
+from miles.sync.transport.dataplane import RAW_FETCH_MIN_BYTES, WeightStore
 
 RUN = "smallfetch"
 

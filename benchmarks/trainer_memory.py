@@ -152,10 +152,10 @@ def rank_main(rank: int, port: int, url: str, workdir: str, args: argparse.Names
     from miles.backends.fsdp_checkpoint import save_sharded
     from miles.backends.fsdp_export import export_specs, iter_full_params
     from miles.bus.connect import connect
-    from miles.bus.dataplane import WeightStore
     from miles.sync.payload import serialize_state
     from miles.sync.stream_export import PayloadLayout, drain
     from miles.sync.transport.bus import BusTransport
+    from miles.sync.transport.dataplane import WeightStore
 
     torch.set_num_threads(1)
     out: dict[str, Any] = {"rank": rank}

@@ -354,12 +354,12 @@ async def bus_bench(params: float, tensor_elems: int, changed: float, reps: int)
     from pathlib import Path
 
     from miles.bus.connect import connect
-    from miles.bus.dataplane import WeightStore
     from miles.bus.server import EmbeddedNats
     from miles.engines.base import SparseValues
     from miles.engines.torch_engine import TorchEngine
     from miles.sync.delta import apply_state_delta, encode_state_delta
     from miles.sync.payload import deserialize_state, serialize_state
+    from miles.sync.transport.dataplane import WeightStore
 
     ntensors = max(1, round(params / tensor_elems))
     lr = calibrate("bf16", changed)

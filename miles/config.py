@@ -166,7 +166,7 @@ class SglangEngineConfig(Strict):
     adapter_dir: str | None = Field(
         None,
         description="LoRA mode: directory, readable by the SGLang server, where each adapter version is written "
-        "before /load_lora_adapter (None: <run dir>/adapters).",
+        "before /load_lora_adapter, and full mode's checkpoints (None: <run dir>/engines/<worker>/weights).",
     )
     keep_adapters: int = Field(
         2, ge=1, description="LoRA mode: adapter versions kept loaded in the server (older ones are unloaded)."
@@ -584,11 +584,6 @@ class RunConfig(Strict):
         if self.trainer.lora is not None and self.sync.dtype in ("fp8_e4m3", "fp4_e2m1"):
             raise ValueError(f"sync.dtype {self.sync.dtype!r} is not supported with trainer.lora (adapters are bf16)")
         if self.rollout.engine.type == "vllm":
-            if self.sync.mode == "lora":
-                raise ValueError(
-                    "rollout.engine.type 'vllm' does not take sync.mode 'lora' yet (docs/engines.md): use sync.mode "
-                    "'full' or 'delta', or the torch engine for LoRA"
-                )
             if self.sync.transport == "broadcast":
                 raise ValueError(
                     "rollout.engine.type 'vllm' loads weights from files: use sync.transport 'bus' or 'fs'"

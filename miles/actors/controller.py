@@ -43,7 +43,6 @@ from miles.actors.run_record import RunRecord
 from miles.actors.weight_audit import WeightAudit
 from miles.algo.filters import over_issue_groups
 from miles.bus.client import KEY_GROUPS_ISSUED, KEY_STATUS, messages_until
-from miles.bus.dataplane import WeightStore
 from miles.bus.errors import PayloadMissing
 from miles.bus.follow import follow, stored_messages
 from miles.bus.schema import (
@@ -63,6 +62,7 @@ from miles.bus.schema import (
 )
 from miles.failpoints import failpoint
 from miles.security.signing import SignatureError
+from miles.sync.transport.dataplane import WeightStore
 
 __all__ = ["AdmissionState", "Controller", "admission_limit"]
 

@@ -26,8 +26,6 @@ from nats.aio.msg import Msg
 from miles.actors.base import Actor, keep_in_progress
 from miles.actors.rollout_stats import RolloutStats
 from miles.actors.trust import MAX_VERSION_JUMP
-from miles.bus.client import KEY_TRAINER_VERSION
-from miles.bus.dataplane import WeightStore
 from miles.bus.runinfo import RunInfoError, check_worker_config, wait_run_info
 from miles.bus.schema import EvalShardResult, EvalTask, Heartbeat, PromptGroup, Trajectory, WeightsHeld
 from miles.engines.base import SamplingParams, StagingEngine
@@ -37,13 +35,8 @@ from miles.rollout.episode import EpisodeLimits, run_episode
 from miles.rollout.evaluate import evaluate
 from miles.rollout.render import Renderer
 from miles.security.signing import SIGNATURE_HEADER
-from miles.sync.engine_weights import EngineWeights
 from miles.sync.follower import WeightFollower
-from miles.sync.lora import lora_scale
-from miles.sync.publisher import delta_keep_versions
-from miles.sync.transport.base import TransportBroken
-from miles.sync.transport.broadcast import BroadcastReceiver, WeightUpdateGroup
-from miles.sync.transport.fs import FsTransport, fs_root
+from miles.sync.receiver import WeightReceiver, build_receiver
 from miles.tasks.base import Sample, Task
 
 REPORTED_KEEP = 256  # reported versions remembered (a group in flight uses versions far newer than the oldest)
@@ -53,7 +46,8 @@ class RolloutWorker(Actor):
     role = "rollout"
 
     engine: StagingEngine
-    follower: WeightFollower
+    weights: WeightReceiver
+    follower: WeightFollower  # weights.follower
 
     def __init__(self, *args: Any, weight_group_rank: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -86,7 +80,7 @@ class RolloutWorker(Actor):
     # ------------------------------------------------------------------ set-up
 
     async def main(self) -> None:
-        from miles.engines.registry import build_engine
+        from miles.engines.registry import build_staging_engine
         from miles.models.loading import load_tokenizer, prepared_model_dir, stop_token_ids
         from miles.tasks.registry import build_task
 
@@ -104,45 +98,21 @@ class RolloutWorker(Actor):
         seed = cfg.seed * 1_000_003 + zlib.crc32(self.actor_id.encode())  # distinct samples per worker
         # Version -1: the engine generates nothing until it holds a published, verified version (even
         # version 0 is fetched: the trainer's rollout-precision weights, not the float32 checkpoint).
-        engine = await asyncio.to_thread(
-            build_engine, cfg.rollout.engine, model_dir, -1, seed, work_dir=self.run_dir / "engines" / self.actor_id
+        lora = cfg.trainer.lora if cfg.sync.mode == "lora" else None
+        self.engine = await asyncio.to_thread(
+            build_staging_engine,
+            cfg.rollout.engine,
+            model_dir,
+            seed,
+            work_dir=self.run_dir / "engines" / self.actor_id,
+            lora=lora,
         )
         tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
         renderer = Renderer(tokenizer, task.render)
-        store = await WeightStore.create(
-            self.bus.js,
-            self.bus.subjects.run,
-            replicas=cfg.bus.replicas,
-            keep_versions=cfg.sync.keep_versions,
-            ensure=self.bus.creates_streams,
+        self.weights = await build_receiver(
+            cfg, self.bus, self.engine, run_dir=self.run_dir, group_rank=self.weight_group_rank, log=self.log
         )
-        delta_store = None
-        if cfg.sync.mode == "delta":
-            delta_store = await WeightStore.create(
-                self.bus.js,
-                self.bus.subjects.run,
-                replicas=cfg.bus.replicas,
-                keep_versions=delta_keep_versions(cfg.sync.keep_versions, cfg.sync.anchor_every),
-                kind="delta",
-                ensure=self.bus.creates_streams,
-            )
-        self.engine, decoder = self._weight_path(engine, model_dir)
-        fs = (
-            FsTransport(fs_root(cfg, self.run_dir), keep_versions=cfg.sync.keep_versions)
-            if cfg.sync.transport == "fs"
-            else None
-        )
-        receiver = await self._join_weight_group() if cfg.sync.transport == "broadcast" else None
-        self.follower = WeightFollower(
-            self.bus,
-            store,
-            self.engine,
-            delta_store=delta_store,
-            decoder=decoder,
-            fs=fs,
-            receiver=receiver,
-            require_payload_sha256=cfg.bus.payload_sha256,
-        )
+        self.follower = self.weights.follower
         sampling = cfg.rollout.sampling
         params = SamplingParams(
             max_new_tokens=sampling.max_new_tokens,
@@ -166,65 +136,13 @@ class RolloutWorker(Actor):
         freeze_startup_heap()  # the engine's model and tokenizer: never walked by the collector again
         await self.engine.start()
         try:
-            if receiver is not None:
-                await receiver.start()
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self.follower.run(self.stopping), name="rollout.weights")
+                tg.create_task(self.weights.run(self.stopping), name="rollout.weights")
                 tg.create_task(self._report_held_versions(), name="rollout.weights_held")
                 tg.create_task(self._prompt_loop(task, renderer, params, limits), name="rollout.prompts")
                 tg.create_task(self._eval_loop(task, renderer, params, limits), name="rollout.evals")
         finally:
             await self.engine.close()
-            if receiver is not None:
-                with contextlib.suppress(TransportBroken):  # reported when it happened; the bus took over
-                    await receiver.stop()
-
-    async def _join_weight_group(self) -> BroadcastReceiver | None:
-        """Join the trainer's weight-update group, at the run's first start only (a group forms once: a worker
-        that starts later, or again, takes its weights from the bus)."""
-        sync = self.cfg.sync
-        if await self.bus.get_bytes(KEY_TRAINER_VERSION) is not None:
-            self.log.warning("weight_group_not_joined", reason="the run already published weights: using the bus")
-            return None
-        if self.weight_group_rank is None:
-            raise ValueError("sync.transport 'broadcast' needs this worker's --weight-group-rank (1..rollout.workers)")
-        group = await asyncio.to_thread(
-            WeightUpdateGroup.join,
-            sync.broadcast_addr,
-            sync.broadcast_port,
-            self.weight_group_rank,
-            1 + self.cfg.rollout.workers,
-            name=f"{self.cfg.name}_weights",
-            backend="gloo",
-            timeout_s=sync.broadcast_timeout_s,
-        )
-        return BroadcastReceiver(group)
-
-    def _weight_path(self, engine: Any, model_dir: Any) -> tuple[StagingEngine, EngineWeights]:
-        """The engine the follower stages into, and how published states become its weights.
-
-        The torch engine takes tensors: dequantized FP8/FP4, or in LoRA mode the adapted modules merged on
-        the frozen base. An SGLang server loads from disk: wrapped in :class:`SglangStagingEngine`, it
-        gets whole checkpoints, or in LoRA mode the adapter itself (a versioned /load_lora_adapter).
-        """
-        from miles.engines.sglang_engine import SglangEngine
-        from miles.engines.sglang_staging import SglangStagingEngine
-
-        lora = self.cfg.trainer.lora if self.cfg.sync.mode == "lora" else None
-        if self.cfg.rollout.engine.type == "vllm":  # loads whole states from files, in the server's own dtype
-            return engine, EngineWeights(dict, precision=self.cfg.sync.dtype, adapters="merge")
-        if isinstance(engine, SglangEngine):
-            engine_cfg = self.cfg.rollout.engine
-            weights_dir = getattr(engine_cfg, "adapter_dir", None) or self.run_dir / "weights" / self.actor_id
-            staging = SglangStagingEngine(engine, weights_dir, lora=lora, model_dir=model_dir)
-            return staging, EngineWeights(
-                dict, precision=self.cfg.sync.dtype, adapters="passthrough" if lora is not None else "merge"
-            )
-        return engine, EngineWeights(
-            engine.model.state_dict,
-            precision=self.cfg.sync.dtype,
-            lora_scale=None if lora is None else lora_scale(lora),
-        )
 
     # ------------------------------------------------------------------ held-weight reports
 

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 from typing import Any
 
-import torch
 from nats.aio.msg import Msg
 
 from miles.actors import trust
@@ -33,7 +31,6 @@ from miles.algo.config import generation_budget
 from miles.algo.filters import build_group_filter
 from miles.algo.shaping import RewardShaper
 from miles.bus.client import KEY_GROUPS_ISSUED
-from miles.bus.dataplane import WeightStore
 from miles.bus.schema import (
     GroupsDiscarded,
     Heartbeat,
@@ -42,18 +39,12 @@ from miles.bus.schema import (
     StepMetrics,
     TrainerDone,
     Trajectory,
-    WeightsAnnounced,
     decode,
 )
 from miles.failpoints import failpoint
-from miles.models.families.registry import family_of
 from miles.security.signing import SIGNATURE_HEADER, SIGNER_HEADER, SignatureError
-from miles.sync.publisher import Lineage, Published, WeightPublisher, announce, delta_keep_versions
-from miles.sync.stream_export import PayloadLayout
-from miles.sync.transport import FallbackTransport, WeightTransport
-from miles.sync.transport.broadcast import BroadcastTransport, WeightUpdateGroup
-from miles.sync.transport.bus import BusTransport
-from miles.sync.transport.fs import FsTransport, fs_root
+from miles.sync.publisher import Lineage
+from miles.sync.sender import WeightSender, build_sender
 from miles.training.batch import build_batch, group_rewards
 from miles.training.lineage import IndexSet, VersionLineage
 from miles.training.recovery import fetch_batch, plan_recovery, read_history
@@ -63,6 +54,8 @@ from miles.training.teacher_client import teacher_client
 
 class TrainerLeader(Actor):
     role = "trainer"
+
+    weights: WeightSender  # stores, transport and publish path of cfg.sync (miles.sync.sender)
 
     def __init__(self, *args: Any, ranks: LeaderRanks, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -99,7 +92,7 @@ class TrainerLeader(Actor):
         cfg = self.cfg
         self.vocab_size = vocab_size(prepared_model_dir(cfg.model, cfg.task))
         self._issued = 0  # the controller's issue window (state bucket), read again when a group lies past it
-        await self._open_stores()
+        self.weights = await build_sender(cfg, self.bus, self.ranks, self.run_dir, self.log)
         await self._recover()
         sub = await self.bus.js.pull_subscribe_bind(
             durable=self.bus.subjects.TRAINER_CONSUMER, stream=self.bus.subjects.traj_stream
@@ -126,37 +119,6 @@ class TrainerLeader(Actor):
             self.log.info("trainer_done", version=self.lineage.version, steps=self.lineage.step)
         await self.ranks.stop()
 
-    async def _open_stores(self) -> None:
-        cfg = self.cfg
-        self.store = await WeightStore.create(
-            self.bus.js,
-            self.bus.subjects.run,
-            replicas=cfg.bus.replicas,
-            keep_versions=cfg.sync.keep_versions,
-            ensure=self.bus.creates_streams,
-        )
-        self.delta_store = None
-        if cfg.sync.mode == "delta":
-            self.delta_store = await WeightStore.create(
-                self.bus.js,
-                self.bus.subjects.run,
-                replicas=cfg.bus.replicas,
-                keep_versions=delta_keep_versions(cfg.sync.keep_versions, cfg.sync.anchor_every),
-                kind="delta",
-                ensure=self.bus.creates_streams,
-            )
-        self.transport: WeightTransport = BusTransport(self.store)
-        # Keeps the last published state in memory (delta mode): after a restart the first publish is a full anchor.
-        self.publisher = WeightPublisher(
-            self.bus,
-            self.store,
-            cfg.sync.dtype,
-            mode=cfg.sync.mode,
-            delta_store=self.delta_store,
-            anchor_every=cfg.sync.anchor_every,
-            sha256=cfg.bus.payload_sha256,
-        )
-
     async def _recover(self) -> None:
         """Restore the newest checkpoint, supersede what was published after it, replay its lost steps."""
         extra = await self.ranks.call("restore")
@@ -171,12 +133,11 @@ class TrainerLeader(Actor):
             self.log.info("trainer_resumed", step=checkpoint_step, version=checkpoint_version)
         history = await read_history(self.bus, self.events_seq)
         plan = plan_recovery(checkpoint_version, checkpoint_step, history)
-        self.transport = await self._make_transport(first_start=extra is None and history.max_version < 0)
+        await self.weights.connect(first_start=extra is None and history.max_version < 0)
         for index in history.discarded:
             self.resolved.add(index)
         self.lineage.supersede(plan.lost, fork_step=checkpoint_step)
-        stored = [await self.store.latest()] + ([await self.delta_store.latest()] if self.delta_store else [])
-        newest = max([history.max_version, checkpoint_version] + [v for v in stored if v is not None])
+        newest = max([history.max_version, checkpoint_version, *await self.weights.stored_versions()])
         nothing_published = extra is None and history.max_version < 0
         if extra is None and not nothing_published:
             self.lineage.alive[0] = 0  # the initial weights, rebuilt from the same model: version 0 stands
@@ -359,82 +320,13 @@ class TrainerLeader(Actor):
         )
 
     async def _publish(self, *, step: int, consumed: list[int], replayed: bool) -> int:
-        """Export the current weights and publish them as the next version; returns the version.
-
-        Full sync streams the export into the data plane one parameter at a time (no rank ever holds the whole
-        state); delta sync keeps the previous state to diff against, and LoRA adapters are small, so those two
-        collect the state on rank 0 first.
-        """
+        """Export the current weights and publish them as the next version (:mod:`miles.sync.sender`)."""
         version = self.next_version
-        lineage = Lineage(step, consumed, replayed)
-        if self.cfg.sync.mode == "full":
-            published = await self._stream(version, lineage)
-        else:
-            published = await self.publisher.publish(await self._export(), version, lineage)
+        published = await self.weights.publish(version, Lineage(step, consumed, replayed))
         self.next_version = version + 1
         self.events_seq = max(self.events_seq, published.seq)
         self.lineage.advance(version, step)
         return version
-
-    async def _stream(self, version: int, lineage: Lineage) -> Published:
-        precision = self.cfg.sync.dtype
-        family = family_of(self.cfg.model)  # its quantization rule picks what FP8/FP4 quantize
-        layout = PayloadLayout.plan(
-            self.ranks.worker.backend.export_specs(), precision, version, family, sha256=self.cfg.bus.payload_sha256
-        )
-        out = await self.transport.publish(layout, lambda: self.ranks.export_stream(False), run=self.ranks.run)
-        announcement = WeightsAnnounced(
-            **out.announcement_fields(),
-            transport=out.transport,
-            location=Path(out.location).name if out.transport == "fs" else out.location,
-            step=lineage.step,
-            consumed=list(lineage.consumed),
-            replayed=lineage.replayed,
-            mode="full",
-            dtype=precision,
-            precision=precision,
-        )
-        published = await announce(self.bus, announcement)
-        self.log.info("weights_published", version=version, step=lineage.step, bytes=out.size, chunks=out.chunks)
-        return published
-
-    async def _export(self) -> dict[str, torch.Tensor]:
-        """The state to publish: the weights in rollout precision, or in LoRA mode only the adapter. FP8/FP4
-        are quantized here, so workers run exactly these codes and scales."""
-        from miles.sync.precision import is_quantized, to_rollout_state
-
-        sync = self.cfg.sync
-        state = await self.ranks.call("export", sync.mode == "lora")
-        if sync.mode != "lora" and is_quantized(sync.dtype):
-            return await asyncio.to_thread(to_rollout_state, state, sync.dtype, family_of(self.cfg.model))
-        dtype = getattr(torch, "bfloat16" if is_quantized(sync.dtype) else sync.dtype)
-        # A copy even where the dtype already matches (float32 sync): an unsharded export may yield the live
-        # parameters, and the publisher keeps this state as the base of the next delta across the next step.
-        return {name: t.to(dtype, copy=True) for name, t in state.items()}
-
-    async def _make_transport(self, *, first_start: bool) -> WeightTransport:
-        """The full-mode payload transport of ``sync.transport``. A weight-update group forms once, at the run's
-        first start (every worker joins then); a restarted trainer cannot re-form it with running workers and
-        uses the bus."""
-        sync, bus = self.cfg.sync, BusTransport(self.store)
-        if sync.transport == "fs":
-            return FsTransport(fs_root(self.cfg, self.run_dir), keep_versions=sync.keep_versions)
-        if sync.transport != "broadcast":
-            return bus
-        if not first_start:
-            self.log.warning("weight_group_not_reformed", reason="trainer restart: weights go over the bus")
-            return bus
-        group = await asyncio.to_thread(
-            WeightUpdateGroup.join,
-            sync.broadcast_addr,
-            sync.broadcast_port,
-            0,
-            1 + self.cfg.rollout.workers,
-            name=f"{self.cfg.name}_weights",
-            backend="nccl" if getattr(self.cfg.trainer.backend, "device", "cpu").startswith("cuda") else "gloo",
-            timeout_s=sync.broadcast_timeout_s,
-        )
-        return FallbackTransport(BroadcastTransport(group, bucket_bytes=sync.broadcast_bucket_mb * 2**20), bus)
 
     def _checkpoint_extra(self) -> dict[str, Any]:
         return {

@@ -11,20 +11,28 @@ open bus every actor runs it at start, so the order in which processes come up d
 
 from __future__ import annotations
 
+from typing import Literal
+
+import structlog
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DeliverPolicy,
+    DiscardPolicy,
     RetentionPolicy,
     StorageType,
     StreamConfig,
 )
 from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 
-from miles.bus.dataplane import WeightStore
 from miles.bus.errors import BusError
 from miles.bus.subjects import Subjects
+
+log = structlog.get_logger(__name__)
+
+WeightKind = Literal["full", "delta"]
+WeightStorage = Literal["file", "memory"]
 
 DAY_S = 24 * 3600.0
 # How long a stream remembers message ids: a prompt (or an issue record) that a restarted controller sends
@@ -185,8 +193,49 @@ async def ensure_run_streams(js: JetStreamContext, subjects: Subjects, *, replic
     for config in stream_configs(subjects, replicas):
         await _ensure_stream(js, config)
     for kind in ("full", "delta"):
-        await WeightStore.create(js, subjects.run, replicas=replicas, kind=kind)
+        await ensure_weight_stream(js, subjects.run, kind, replicas)
     for stream, consumer in consumer_configs(subjects, ack_wait_s):
         await _ensure_consumer(js, stream, consumer)
     await _ensure_bucket(js, subjects.state_bucket, replicas)
     await _ensure_bucket(js, subjects.runinfo_bucket, replicas)
+
+
+# --------------------------------------------------------------------------- weight data-plane streams
+# The streams that carry weight payloads (miles.sync.transport.dataplane writes and reads them): defined here
+# with the run's other streams, so the setup step creates everything an actor binds to.
+
+
+def weight_stream_name(run: str, kind: WeightKind) -> str:
+    return f"{run}_WEIGHTS" if kind == "full" else f"{run}_WEIGHTS_DELTA"
+
+
+def weight_subject_prefix(run: str, kind: WeightKind) -> str:
+    return f"{run}.weights" if kind == "full" else f"{run}.wdelta"
+
+
+def weight_stream_config(run: str, kind: WeightKind, replicas: int, storage: WeightStorage = "file") -> StreamConfig:
+    return StreamConfig(
+        name=weight_stream_name(run, kind),
+        subjects=[f"{weight_subject_prefix(run, kind)}.>"],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.MEMORY if storage == "memory" else StorageType.FILE,
+        num_replicas=replicas,
+        discard=DiscardPolicy.OLD,
+        allow_direct=True,
+    )
+
+
+async def ensure_weight_stream(
+    js: JetStreamContext, run: str, kind: WeightKind, replicas: int, storage: WeightStorage = "file"
+) -> None:
+    """Create a weight stream, or update it to the wanted subjects, replicas and direct gets (idempotent; every
+    actor of a fresh cluster may race to create it). Its storage type cannot change: whoever created it decided."""
+    config = weight_stream_config(run, kind, replicas, storage)
+    try:
+        existing = (await js.stream_info(config.name)).config
+    except NotFoundError:
+        existing = None
+    if existing is not None and existing.storage != config.storage:
+        log.info("weights_stream_storage_kept", stream=config.name, existing=str(existing.storage), wanted=storage)
+        return
+    await _ensure_stream(js, config)

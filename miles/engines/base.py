@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Literal, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from miles.sync.engine_weights import EngineWeights
+
 FinishReason = Literal["stop", "length", "context"]
 
 
@@ -144,4 +146,10 @@ class StagingEngine(Engine, Protocol):
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int, *, complete: bool = True) -> None:
         """Copy weights in now and adopt ``version`` (blocking; waits for the running step). For tests and
         start-up, not for the event loop."""
+        ...
+
+    def weight_sink(self, precision: str, lora_scale: float | None) -> EngineWeights:
+        """How a state published in ``precision`` (``sync.dtype``) becomes this engine's weights; in LoRA mode
+        ``lora_scale`` is the adapter's scale and the state is the adapter only. Its owner (the weight
+        receiver) decodes every fetched state through it before :meth:`stage_weights`."""
         ...

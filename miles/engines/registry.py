@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from miles.config import SglangEngineConfig, TorchEngineConfig, VllmEngineConfig
-from miles.engines.base import Engine
+from miles.config import LoraConfig, SglangEngineConfig, TorchEngineConfig, VllmEngineConfig
+from miles.engines.base import Engine, StagingEngine
 
 
 def build_engine(
@@ -57,6 +57,29 @@ def build_engine(
             max_context=max_context,
         )
     raise ValueError(f"unknown engine type {cfg.type!r}")
+
+
+def build_staging_engine(
+    cfg: TorchEngineConfig | SglangEngineConfig | VllmEngineConfig,
+    model_dir: str | Path,
+    seed: int | None,
+    *,
+    work_dir: str | Path,
+    lora: LoraConfig | None = None,
+) -> StagingEngine:
+    """The engine a rollout worker stages published weights into, at version -1 (it generates nothing until
+    it holds a verified version). An SGLang server loads from disk: wrapped in
+    :class:`~miles.engines.sglang_staging.SglangStagingEngine`, which writes each version (or, with ``lora``,
+    each adapter) under ``cfg.adapter_dir`` or ``work_dir/weights``."""
+    engine = build_engine(cfg, model_dir, -1, seed, work_dir=work_dir)
+    if isinstance(cfg, SglangEngineConfig):
+        from miles.engines.sglang_engine import SglangEngine
+        from miles.engines.sglang_staging import SglangStagingEngine
+
+        assert isinstance(engine, SglangEngine)
+        weights_dir = cfg.adapter_dir or Path(work_dir) / "weights"
+        return SglangStagingEngine(engine, weights_dir, lora=lora, model_dir=model_dir)
+    return engine  # type: ignore[return-value]  # the torch and vLLM engines stage themselves
 
 
 def checkpoint_context(model_dir: str | Path) -> int | None:

@@ -61,6 +61,8 @@ from miles.engines.sglang_engine import SglangEngine
 if TYPE_CHECKING:
     import torch
 
+    from miles.sync.engine_weights import EngineWeights
+
 log = structlog.get_logger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
@@ -183,6 +185,13 @@ class SglangStagingEngine:
     def _wait_loaded(self) -> None:
         with self._cond:
             self._cond.wait_for(lambda: self._loading is None)
+
+    def weight_sink(self, precision: str, lora_scale: float | None) -> EngineWeights:
+        """Whole states (dequantized FP8/FP4) written as checkpoints; in LoRA mode the adapter itself, which the
+        server loads and applies (``lora_scale`` is the server's business then, from adapter_config.json)."""
+        from miles.sync.engine_weights import EngineWeights
+
+        return EngineWeights(dict, precision=precision, adapters="passthrough" if self.lora is not None else "merge")
 
     def load_weights(
         self, state: Mapping[str, torch.Tensor] | None, version: int, model_path: str | None = None

@@ -33,7 +33,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -47,6 +47,9 @@ from miles.engines.torch_loop import Request, Row, SamplingLoop
 from miles.engines.weight_slot import WeightSlot, copy_into, validate_state
 from miles.models.dsa_topk import stabilize_dsa_topk
 from miles.models.loading import to_torch_dtype
+
+if TYPE_CHECKING:
+    from miles.sync.engine_weights import EngineWeights
 
 log = structlog.get_logger(__name__)
 
@@ -341,6 +344,12 @@ class TorchEngine:
             request.deliver(failure)
 
     # ------------------------------------------------------------------ weights
+
+    def weight_sink(self, precision: str, lora_scale: float | None) -> EngineWeights:
+        """Tensors copied in place: FP8/FP4 dequantized, a LoRA adapter merged on the frozen base this model holds."""
+        from miles.sync.engine_weights import EngineWeights
+
+        return EngineWeights(self.model.state_dict, precision=precision, lora_scale=lora_scale)
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int, *, complete: bool = True) -> None:
         """Copy a full HF state dict into the model in place (dtype/device converted), adopt ``version``.

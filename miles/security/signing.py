@@ -169,7 +169,7 @@ def verify_payload(payload: bytes | bytearray | memoryview, fields: Mapping[str,
     """Check a fetched payload against the signed ``payload_sha256`` of its (verified) announcement.
 
     With ``required`` an announcement without one is refused; otherwise it is accepted on the data
-    plane's own digest alone (checked by :class:`miles.bus.dataplane.WeightStore`)."""
+    plane's own digest alone (checked by :class:`miles.sync.transport.dataplane.WeightStore`)."""
     expected = fields.get("payload_sha256") or ""
     if not expected:
         if required:

@@ -37,7 +37,6 @@ import structlog
 import torch
 
 from miles.bus.client import Bus
-from miles.bus.dataplane import WeightStore
 from miles.bus.errors import BusError, ChecksumMismatch, PayloadMissing
 from miles.bus.follow import follow
 from miles.bus.schema import WeightsAnnounced
@@ -49,6 +48,7 @@ from miles.sync.payload import deserialize_state
 from miles.sync.precision import state_digest
 from miles.sync.transport.base import TransportBroken
 from miles.sync.transport.broadcast import BroadcastReceiver
+from miles.sync.transport.dataplane import WeightStore
 from miles.sync.transport.fs import FsTransport
 
 log = structlog.get_logger(__name__)

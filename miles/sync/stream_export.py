@@ -19,7 +19,7 @@ ever held:
   Mixed dtypes (fp8/fp4 codes next to their scales) may leave a tensor at an unaligned offset, which the
   format allows and :func:`~miles.sync.payload.deserialize_state` reads (CPU ``torch.frombuffer``).
 * **Incremental digest.** The payload's xxh3-128 is updated with every piece, so it equals what
-  :meth:`~miles.bus.dataplane.WeightStore.put` records for the same bytes, without a second pass.
+  :meth:`~miles.sync.transport.dataplane.WeightStore.put` records for the same bytes, without a second pass.
 
 The encoder calls a ``sink`` with each piece (the header, then each tensor's bytes); transports re-bucket
 them (:class:`Rechunker`, the data plane's chunk size, a broadcast bucket). Exporting is collective on the

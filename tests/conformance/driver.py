@@ -35,7 +35,6 @@ import msgpack
 import torch
 
 from miles.bus.client import Bus
-from miles.bus.dataplane import WeightStore
 from miles.bus.runinfo import RunInfo, build_run_info, new_run_nonce, publish_run_info
 from miles.bus.schema import Control, EvalTask, PromptGroup, WeightsAnnounced, encode
 from miles.config import RunConfig
@@ -43,6 +42,7 @@ from miles.models.loading import load_policy, prepared_model_dir
 from miles.sync.checksum import digest
 from miles.sync.payload import serialize_state
 from miles.sync.precision import state_digest, to_rollout_state
+from miles.sync.transport.dataplane import WeightStore
 from miles.tasks.registry import build_task
 
 WAIT_S = 120.0

@@ -22,7 +22,6 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from miles.bus.client import Bus
-from miles.bus.dataplane import WeightStore
 from miles.bus.runinfo import build_run_info, publish_run_info
 from miles.bus.schema import Control, PromptGroup, Trajectory, WeightsAnnounced, WeightsHeld, decode, encode
 from miles.bus.server import EmbeddedNats
@@ -33,6 +32,7 @@ from miles.security.bundle import server_config, write_bundle
 from miles.security.signing import SIGNATURE_HEADER, SIGNER_HEADER
 from miles.sync.payload import serialize_state
 from miles.sync.precision import state_digest, to_rollout_state
+from miles.sync.transport.dataplane import WeightStore
 from miles.tasks.registry import build_task
 
 from .conftest import REFERENCE_WORKER, conformance_config

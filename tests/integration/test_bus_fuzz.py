@@ -21,7 +21,6 @@ import msgpack
 import pytest
 from nats.aio.client import Client
 
-from miles.bus.dataplane import WeightStore
 from miles.bus.schema import (
     SCHEMA_VERSION,
     Control,
@@ -46,6 +45,7 @@ from miles.security.bundle import RoleCredentials, server_config, write_bundle
 from miles.security.nkey import KeyPair
 from miles.sync.payload import deserialize_state, serialize_state
 from miles.sync.precision import state_digest
+from miles.sync.transport.dataplane import WeightStore
 from tests.integration.harness import Cluster, small_run_config
 
 RUN = "fuzz"

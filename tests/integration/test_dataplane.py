@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 
-from miles.bus import dataplane
-from miles.bus.dataplane import ChecksumMismatch, PayloadInfo, PayloadMissing, WeightStore
 from miles.bus.errors import BusError
-from miles.bus.rawfetch import Endpoint
 from miles.sync.checksum import digest
+from miles.sync.transport import dataplane
+from miles.sync.transport.dataplane import ChecksumMismatch, PayloadInfo, PayloadMissing, WeightStore
+from miles.sync.transport.rawfetch import Endpoint
 
 CHUNK = 64 * 1024
 FETCH_MODES = ["raw", "client"]

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from miles.bus.client import Bus
-from miles.bus.dataplane import WeightStore
 from miles.bus.schema import WeightsAnnounced
 from miles.config import BusConfig, TinyModelConfig
 from miles.engines.base import SparseValues
@@ -22,6 +21,7 @@ from miles.models import tiny
 from miles.sync.delta import encode_state_delta
 from miles.sync.follower import WeightFollower
 from miles.sync.publisher import WeightPublisher, delta_keep_versions
+from miles.sync.transport.dataplane import WeightStore
 
 from .sync_helpers import adopted, running, until
 

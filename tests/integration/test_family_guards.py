@@ -26,7 +26,6 @@ import pytest
 import torch
 
 from miles.bus.client import Bus
-from miles.bus.dataplane import WeightStore
 from miles.bus.server import EmbeddedNats
 from miles.config import BusConfig, LoraConfig
 from miles.engines.base import SamplingParams
@@ -40,6 +39,7 @@ from miles.sync.follower import WeightFollower
 from miles.sync.lora import add_adapters, lora_scale, split_peft_state
 from miles.sync.precision import from_rollout_state, state_digest, to_rollout_state
 from miles.sync.publisher import WeightPublisher, delta_keep_versions
+from miles.sync.transport.dataplane import WeightStore
 
 from .family_guard import GuardFailure, check_guard, guard_config, run_guard, write_task
 from .sync_helpers import adopted, running, until

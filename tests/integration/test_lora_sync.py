@@ -13,7 +13,6 @@ import torch
 from miles.backends.base import TrainSample
 from miles.backends.fsdp import FsdpBackend
 from miles.bus.client import Bus
-from miles.bus.dataplane import WeightStore
 from miles.bus.server import EmbeddedNats
 from miles.config import BusConfig, FsdpBackendConfig, LoraConfig, TinyModelConfig, TrainerConfig
 from miles.engines.torch_engine import TorchEngine
@@ -23,6 +22,7 @@ from miles.sync.follower import WeightFollower
 from miles.sync.lora import lora_scale
 from miles.sync.payload import serialize_state
 from miles.sync.publisher import WeightPublisher
+from miles.sync.transport.dataplane import WeightStore
 from miles.training.step import RLStep, plan_batch
 
 from .harness import check_held_weights, run_to_completion, small_run_config

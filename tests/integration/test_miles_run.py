@@ -57,3 +57,19 @@ def test_a_run_that_ends_early_exits_non_zero_with_the_reason(recipe: Path, tmp_
     assert summary["status"] == "incomplete"
     assert "trainer" in summary["reason"]
     assert not (run_dir / "auth").exists()  # bus.secure: false is an open bus, no credentials made
+
+
+@pytest.mark.slow
+def test_a_run_syncs_over_a_weight_update_group(recipe: Path, tmp_path: Path) -> None:
+    """Both sides of the weight-sync component come from one registry entry: the trainer's sender and every
+    worker's receiver meet (two workers join the broadcast group) and each version is verified. (The fs
+    transport's two sides are tested in test_transports.py.)"""
+    run_dir = tmp_path / "run"
+    proc = _miles_run(recipe, run_dir, "sync.transport=broadcast", "rollout.workers=2", "bus.secure=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "complete" and summary["weights_mismatches"] == 0
+    assert summary["weights_verified"] >= 2 * 5  # every version on both workers (at least the five steps')
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    assert logs.count("weight_group.joined") == 3  # the trainer and both workers, one group
+    assert "weights_transport_fallback" not in logs  # no version had to go over the bus instead

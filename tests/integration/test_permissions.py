@@ -21,12 +21,12 @@ from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 
-from miles.bus.dataplane import WeightStore
 from miles.bus.follow import follow, last_message, next_message
 from miles.bus.server import EmbeddedNats
 from miles.bus.streams import ensure_run_streams
 from miles.security.bundle import RoleCredentials, server_config, write_bundle
 from miles.security.permissions import RunNames
+from miles.sync.transport.dataplane import WeightStore
 
 RUN = "sec"
 NAMES = RunNames(RUN)

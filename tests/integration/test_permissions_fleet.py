@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from miles.bus.dataplane import WeightStore
 from miles.bus.follow import last_message
 from miles.bus.server import EmbeddedNats
 from miles.security.bundle import server_config, write_bundle
 from miles.security.fleet import leaf_config_for
+from miles.sync.transport.dataplane import WeightStore
 from tests.integration.test_permissions import (
     ADMIN_API,
     CONTROLLER_ONLY,

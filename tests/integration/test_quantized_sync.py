@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from miles.bus.client import Bus
-from miles.bus.dataplane import WeightStore
 from miles.bus.server import EmbeddedNats
 from miles.config import BusConfig, TinyModelConfig
 from miles.engines.torch_engine import TorchEngine
@@ -19,6 +18,7 @@ from miles.sync.engine_weights import EngineWeights
 from miles.sync.follower import WeightFollower
 from miles.sync.precision import from_rollout_state, state_digest, to_rollout_state
 from miles.sync.publisher import WeightPublisher, delta_keep_versions
+from miles.sync.transport.dataplane import WeightStore
 
 from .harness import check_held_weights, run_to_completion, small_run_config
 from .sync_helpers import adopted, running, until

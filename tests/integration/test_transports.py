@@ -18,7 +18,6 @@ import torch
 from nats.aio.client import Client
 
 from miles.backends.distributed import find_free_port
-from miles.bus.dataplane import WeightStore
 from miles.bus.errors import BusError, ChecksumMismatch, PayloadMissing
 from miles.sync.checksum import digest
 from miles.sync.payload import serialize_state
@@ -27,6 +26,7 @@ from miles.sync.stream_export import PayloadLayout, StateHasher, TensorSpec
 from miles.sync.transport import FallbackTransport, TransportBroken, verified_state
 from miles.sync.transport.broadcast import BroadcastReceiver, BroadcastTransport, WeightUpdateGroup
 from miles.sync.transport.bus import BusTransport
+from miles.sync.transport.dataplane import WeightStore
 from miles.sync.transport.fs import FsTransport
 from miles.sync.transport.sglang import SglangDistributedSync, SglangUpdateError
 

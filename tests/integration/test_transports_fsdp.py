@@ -13,7 +13,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from miles.backends.distributed import distributed, find_free_port, spawn_ranks
 from miles.backends.fsdp_export import export_specs, iter_full_params
 from miles.bus.connect import connect
-from miles.bus.dataplane import WeightStore
 from miles.bus.errors import PayloadMissing
 from miles.config import LoraConfig
 from miles.sync.lora import add_adapters, lora_scale, merged_state, split_peft_state
@@ -21,6 +20,7 @@ from miles.sync.precision import state_digest, to_rollout_state
 from miles.sync.stream_export import PayloadLayout, drain
 from miles.sync.transport import verified_state
 from miles.sync.transport.bus import BusTransport
+from miles.sync.transport.dataplane import WeightStore
 
 LORA = LoraConfig(rank=2, alpha=4.0, target_modules=["q_proj", "v_proj"])
 # (version, precision, model kind, adapter_only)

@@ -175,3 +175,82 @@ async def test_a_killed_server_is_restarted_with_the_held_weights_and_no_request
     assert engine.heartbeat_stats()["engine_restarts"] == restarts + 1
     assert engine.version == version and await engine.held_digest() == held
     assert all(g.version_spans == [(0, version)] for g in gens)
+
+
+def ulp_moves(state: dict[str, torch.Tensor], frac: float = 0.02) -> dict[str, torch.Tensor]:
+    """``state`` (bf16) with ``frac`` of every tensor's elements moved by one ulp: an Adam step's delta."""
+    gen = torch.Generator().manual_seed(3)
+    out = {}
+    for name, t in state.items():
+        bits = t.contiguous().view(torch.int16).clone().reshape(-1)
+        hit = (torch.rand(bits.numel(), generator=gen) < frac) & (t.reshape(-1) != 0)
+        bits[hit] += 1
+        out[name] = bits.view(torch.bfloat16).reshape(t.shape)
+    return out
+
+
+async def test_delta_and_lora_versions_reach_the_server_with_the_trainers_digest(
+    engine: VllmEngine, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """sync.mode delta and lora end to end over a real nats-server: the trainer side publishes (a full anchor
+    then a delta; adapters), the worker's follower decodes through the engine's own weight sink, and the
+    server reports holding exactly the state the trainer's digest names (LoRA: base + merged adapter)."""
+    from miles.bus.client import Bus
+    from miles.bus.server import EmbeddedNats
+    from miles.config import BusConfig
+    from miles.sync.follower import WeightFollower
+    from miles.sync.lora import merge_adapter
+    from miles.sync.publisher import WeightPublisher, delta_keep_versions
+    from miles.sync.transport.dataplane import WeightStore
+
+    from .sync_helpers import running
+
+    first = engine.version + 10
+    async with EmbeddedNats(tmp_path / "bus") as server:
+        bus = await Bus.open(BusConfig(), server.url, "vdelta", "test")
+        try:
+            full = await WeightStore.create(bus.js, "vdelta", keep_versions=3)
+            delta = await WeightStore.create(bus.js, "vdelta", keep_versions=delta_keep_versions(3, 100), kind="delta")
+            pub = WeightPublisher(bus, full, "bfloat16", mode="delta", delta_store=delta, anchor_every=100)
+            follower = WeightFollower(
+                bus, full, engine, delta_store=delta, decoder=engine.weight_sink("bfloat16", None)
+            )
+            anchor = scaled_state(tiny_model_dir, 0.9)
+            step = ulp_moves(anchor)
+            async with running(follower) as stopping:
+                assert (await pub.publish(anchor, first)).announcement.mode == "full"
+                assert await asyncio.wait_for(follower.wait_for(first, stopping), 60)
+                await wait_version(engine, first)
+                ann = (await pub.publish(step, first + 1)).announcement
+                assert ann.mode == "delta" and ann.base_version == first
+                assert await asyncio.wait_for(follower.wait_for(first + 1, stopping), 60)
+                await wait_version(engine, first + 1)
+            assert follower.checksum_failures == 0 and follower.delta_fallbacks == 0
+            assert await engine.held_digest() == ann.state_digest == state_digest(step)
+        finally:
+            await bus.close()
+
+        bus = await Bus.open(BusConfig(), server.url, "vlora", "test")
+        try:
+            store = await WeightStore.create(bus.js, "vlora", keep_versions=3)
+            pub = WeightPublisher(bus, store, "bfloat16", mode="lora")
+            follower = WeightFollower(bus, store, engine, decoder=engine.weight_sink("bfloat16", 2.0))
+            torch.manual_seed(5)
+            adapter = {}
+            for module in ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.v_proj"):
+                adapter[f"base_model.model.{module}.lora_A.weight"] = (0.1 * torch.randn(2, 64)).bfloat16()
+                adapter[f"base_model.model.{module}.lora_B.weight"] = (0.1 * torch.randn(64, 2)).bfloat16()
+            async with running(follower) as stopping:
+                lora_ann = (await pub.publish(adapter, first + 2)).announcement
+                assert await asyncio.wait_for(follower.wait_for(first + 2, stopping), 60)
+                await wait_version(engine, first + 2)
+            assert follower.staged_versions[first + 2].state_digest == lora_ann.state_digest  # the audit's digest
+        finally:
+            await bus.close()
+    base = engine.base_state()
+    expected = base | merge_adapter(base, adapter, 2.0, dtype=torch.float32)
+    assert await engine.held_digest() == state_digest(expected)  # not stacked on the delta run's weights
+    gen = await engine.generate(PROMPT, SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=[]))
+    assert gen.version_spans == [(0, first + 2)]
+    ref = reference_logprobs(tiny_model_dir, expected, PROMPT, gen.output_ids)
+    assert max(abs(a - b) for a, b in zip(gen.logprobs, ref, strict=True)) <= MAX_GAP

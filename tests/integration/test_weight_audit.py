@@ -20,10 +20,10 @@ import torch
 
 from miles.actors.controller import Controller
 from miles.bus.client import Bus
-from miles.bus.dataplane import WeightStore
 from miles.bus.schema import EvalShardResult, EvalTask, Heartbeat, TrainerDone, WeightsAnnounced, WeightsHeld, decode
 from miles.config import load_config
 from miles.sync.precision import state_digest, to_rollout_state
+from miles.sync.transport.dataplane import WeightStore
 
 from .sync_helpers import until
 

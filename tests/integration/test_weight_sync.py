@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from miles.bus.client import Bus
-from miles.bus.dataplane import WeightStore
 from miles.bus.schema import WeightsAnnounced
 from miles.config import BusConfig, TinyModelConfig
 from miles.engines.base import SamplingParams
@@ -23,6 +22,7 @@ from miles.engines.torch_engine import TorchEngine
 from miles.models import tiny
 from miles.sync.follower import WeightFollower
 from miles.sync.publisher import publish_weights
+from miles.sync.transport.dataplane import WeightStore
 
 from .sync_helpers import adopted, running, until
 

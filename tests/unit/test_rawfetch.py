@@ -10,9 +10,10 @@ from urllib.parse import urlparse
 
 import pytest
 
-from miles.bus.dataplane import _Manifest, _ranges, _version_of
 from miles.bus.errors import BusError, ChecksumMismatch, PayloadMissing
-from miles.bus.rawfetch import (
+from miles.sync.checksum import digest, hasher
+from miles.sync.transport.dataplane import _Manifest, _ranges, _version_of
+from miles.sync.transport.rawfetch import (
     ChunkMissing,
     ChunkRequest,
     _Connection,
@@ -20,7 +21,6 @@ from miles.bus.rawfetch import (
     _parse_headers,
     endpoint_from_client,
 )
-from miles.sync.checksum import digest, hasher
 
 SUBJECT = "run.weights.3.chunk"
 INBOX = b"_INBOX.abc"
@@ -201,7 +201,7 @@ async def test_requests_lost_with_a_replica_are_sent_again_and_a_second_answer_i
 async def test_a_server_gone_during_the_handshake_is_a_bus_error() -> None:
     """A node killed between its INFO and our CONNECT: a BusError (the data plane falls back), not uvloop's
     RuntimeError of a write on a closed transport, which killed a worker."""
-    from miles.bus.rawfetch import Endpoint, _open
+    from miles.sync.transport.rawfetch import Endpoint, _open
 
     async def info_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(b'INFO {"server_id":"x","max_payload":1048576}\r\n')

@@ -17,7 +17,6 @@ import torch
 from safetensors.torch import load_file
 
 from miles.bus.client import Bus
-from miles.bus.dataplane import WeightStore
 from miles.config import BusConfig, LoraConfig, SglangEngineConfig
 from miles.engines.adapter_files import load_peft_adapter
 from miles.engines.base import SamplingParams, SparseValues
@@ -25,6 +24,7 @@ from miles.engines.sglang_engine import SglangEngine, SglangError
 from miles.engines.sglang_staging import SglangStagingEngine
 from miles.sync.follower import WeightFollower
 from miles.sync.publisher import WeightPublisher
+from miles.sync.transport.dataplane import WeightStore
 
 from ..integration.sync_helpers import running, until
 from .test_sglang_engine_contract import FakeSglangServer

@@ -1,4 +1,4 @@
-"""The trainer leader's export for delta and LoRA sync: a state of its own, never the live parameters.
+"""The weight sender's export for delta and LoRA sync: a state of its own, never the live parameters.
 
 The publisher keeps the exported state as the base of the next delta. An unsharded FSDP backend yields its
 live float32 parameters, so at a float32 sync an export that only casts would alias them: the optimizer's
@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from miles.actors.trainer import TrainerLeader
 from miles.actors.trainer_ranks import LeaderRanks
 from miles.backends.fsdp import FsdpBackend
 from miles.config import load_config
+from miles.sync.sender import WeightSender
 from miles.training.rank_worker import RankWorker
 
 
@@ -40,9 +40,9 @@ async def test_export_is_not_aliased_to_the_live_parameters(sync_dtype: str, tmp
     cfg = load_config(None, ["sync.mode=delta", f"sync.dtype={sync_dtype}"])
     backend = FsdpBackend(_tiny(), cfg.trainer)
     ranks = LeaderRanks(RankWorker(backend, cfg, tmp_path, pad_id=0))
-    leader = SimpleNamespace(cfg=cfg, ranks=ranks)  # the two attributes _export reads
+    sender = SimpleNamespace(cfg=cfg, ranks=ranks)  # the two attributes _collect reads
     try:
-        exported = await TrainerLeader._export(leader)  # type: ignore[arg-type]
+        exported = await WeightSender._collect(sender)  # type: ignore[arg-type]
         base = {name: t.clone() for name, t in exported.items()}
         live = dict(backend.model.lm.named_parameters())
         assert set(live) <= set(exported)
@@ -51,7 +51,7 @@ async def test_export_is_not_aliased_to_the_live_parameters(sync_dtype: str, tmp
                 p.add_(0.5)
         changed = [name for name, t in exported.items() if not torch.equal(t, base[name])]
         assert not changed, f"the exported state moved with the live parameters at {changed[:3]}"
-        fresh = await TrainerLeader._export(leader)  # type: ignore[arg-type]
+        fresh = await WeightSender._collect(sender)  # type: ignore[arg-type]
         assert all(not torch.equal(fresh[name], exported[name]) for name in live)  # the update is exported
     finally:
         await ranks.stop()

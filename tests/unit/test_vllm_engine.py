@@ -87,7 +87,7 @@ def test_a_reply_whose_logprobs_are_of_other_tokens_is_refused() -> None:
     assert gen.output_ids == [5, 6] and gen.logprobs == [-1.0, -2.0] and gen.version_spans == [(0, 3)]
 
 
-def test_sparse_updates_are_declined_partial_states_refused_and_older_versions_ignored() -> None:
+def test_sparse_updates_are_declined_and_older_versions_ignored() -> None:
     from miles.engines.base import SparseValues
 
     engine = make_engine(3)
@@ -98,10 +98,39 @@ def test_sparse_updates_are_declined_partial_states_refused_and_older_versions_i
     assert engine.pending_version is None
     with pytest.raises(ValueError, match="sparse"):
         engine.stage_weights(sparse, 4)
-    with pytest.raises(ValueError, match="whole states"):
-        engine.stage_weights({"w": torch.zeros(1)}, 4, complete=False)
     assert not engine.stage_weights({"w": torch.zeros(1)}, 3)
     assert engine.stage_weights({"w": torch.zeros(1)}, 5) and engine.pending_version == 5
+
+
+def test_a_lora_update_is_merged_on_the_checkpoint_and_staged_whole(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from miles.sync.lora import merge_adapter
+
+    torch.manual_seed(0)
+    base = {"q.weight": torch.randn(4, 6), "k.weight": torch.randn(4, 6), "norm.weight": torch.ones(6)}
+    save_file(base, str(tmp_path / "model.safetensors"))
+    engine = VllmEngine(
+        VllmEngineConfig(url="http://127.0.0.1:1"),
+        tmp_path,
+        version=-1,
+        weights_dir=tmp_path / "w",
+        log_path=tmp_path / "l.log",
+        max_context=64,
+    )
+    adapter = {
+        "base_model.model.q.lora_A.weight": torch.randn(2, 6).bfloat16(),
+        "base_model.model.q.lora_B.weight": torch.randn(4, 2).bfloat16(),
+    }
+    merged, complete = engine.weight_sink("bfloat16", 2.0).decode(adapter)
+    assert not complete and set(merged) == {"q.weight"}
+    assert engine.stage_weights(merged, 0, complete=False)
+    staged = engine._staged
+    assert staged is not None and staged[0] == 0 and set(staged[1]) == set(base)
+    torch.testing.assert_close(staged[1]["q.weight"], merge_adapter(base, adapter, 2.0)["q.weight"])
+    assert torch.equal(staged[1]["k.weight"], base["k.weight"])  # the frozen base where nothing is adapted
+    with pytest.raises(ValueError, match="not a tensor of the checkpoint"):
+        engine.stage_weights({"nope.weight": torch.zeros(1)}, 1, complete=False)
 
 
 def write_recipe(tmp_path: Path, extra: str) -> Path:
@@ -113,7 +142,6 @@ def write_recipe(tmp_path: Path, extra: str) -> Path:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ("sync:\n  mode: lora\ntrainer:\n  lora: {rank: 4}\n", "does not take sync.mode 'lora'"),
         ("sync:\n  transport: broadcast\n", "loads weights from files"),
         ("  sampling:\n    top_p: 0.9\n", "top-p cut"),
     ],

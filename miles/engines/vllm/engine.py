@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     import torch
 
     from miles.engines.vllm.server import VllmServer
+    from miles.sync.engine_weights import EngineWeights
 
 log = structlog.get_logger(__name__)
 
@@ -101,6 +102,8 @@ class VllmEngine:
         self._error: EngineError | None = None
         self._lock = threading.Lock()  # guards _staged (stage_weights may be called from any thread)
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._base: dict[str, torch.Tensor] | None = None  # the checkpoint, read for LoRA mode (base_state)
+        self._base_lock = threading.Lock()
         self._loading: int | None = None
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -377,8 +380,9 @@ class VllmEngine:
         """Park a whole state as ``version`` for the loader task; False if not newer than what it has.
 
         Never blocks. vLLM reloads whole tensors from a file: a sparse update (the delta fast path) is not
-        staged (False, so the follower stages the whole reconstructed state instead), and ``complete=False``
-        is refused with ``ValueError``."""
+        staged (False, so the follower stages the whole reconstructed state instead). A partial update (LoRA
+        mode: the adapted modules merged on the base) is completed with the frozen base, :meth:`base_state`,
+        which the weight sink has read by then."""
         if base_version is not None and (not complete or any(isinstance(v, SparseValues) for v in state.values())):
             return False  # the delta fast path, declined: the follower then stages the whole reconstructed state
         if any(isinstance(v, SparseValues) for v in state.values()):
@@ -386,7 +390,11 @@ class VllmEngine:
         if not state:
             raise ValueError("stage_weights: empty state")
         if not complete:
-            raise ValueError("stage_weights: vLLM reloads whole states; reconstruct a partial update first")
+            base = self.base_state()
+            unknown = sorted(set(state) - set(base))
+            if unknown:
+                raise ValueError(f"stage_weights: {unknown[0]!r} is not a tensor of the checkpoint {self.model_dir}")
+            state = {**base, **state}
         version = int(version)
         with self._lock:
             newest = max(self._version, self._loading if self._loading is not None else -1)
@@ -399,10 +407,35 @@ class VllmEngine:
             self._loop.call_soon_threadsafe(self._wake.set)
         return True
 
+    def weight_sink(self, precision: str, lora_scale: float | None) -> EngineWeights:
+        """Whole states in the server's dtype (FP8/FP4 dequantized); in LoRA mode the adapted modules merged on
+        the frozen base (:meth:`base_state`), completed by the base in :meth:`stage_weights`."""
+        from miles.sync.engine_weights import EngineWeights
+
+        return EngineWeights(self.base_state, precision=precision, lora_scale=lora_scale)
+
+    def base_state(self) -> dict[str, torch.Tensor]:
+        """The checkpoint the server started from, in its dtype, read once: LoRA mode's frozen base. It stays
+        in host memory for the run (a LoRA update reloads whole states into vLLM)."""
+        with self._base_lock:
+            if self._base is None:
+                import torch
+                from safetensors.torch import load_file
+
+                files = sorted(self.model_dir.glob("*.safetensors"))
+                if not files:
+                    raise ValueError(f"no *.safetensors checkpoint in {self.model_dir}: LoRA mode needs the base")
+                dtype = getattr(torch, self.cfg.dtype)
+                base: dict[str, torch.Tensor] = {}
+                for file in files:
+                    base |= {name: t.to(dtype) for name, t in load_file(str(file)).items()}
+                self._base = base
+            return self._base
+
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int, *, complete: bool = True) -> None:
         """Load ``state`` as ``version`` now (blocking, from a thread other than the engine's event loop)."""
         if not complete:
-            raise ValueError("load_weights: vLLM reloads whole states")
+            state = {**self.base_state(), **state}
         loop = self._loop
         if loop is None:
             raise EngineError("VllmEngine is not started")

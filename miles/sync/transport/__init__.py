@@ -1,64 +1,31 @@
 """Weight transports: the same streamed payload, announcement and audit over the bus, a shared filesystem,
-or a torch.distributed weight-update group (Miles engines or SGLang servers). See :mod:`.base`."""
+or a torch.distributed weight-update group (Miles engines or SGLang servers). See :mod:`.base`.
+
+The package itself imports nothing heavy: the controller reads the data plane (:mod:`.dataplane`) without
+torch, so the names below are loaded on first use.
+"""
 
 from __future__ import annotations
 
-from typing import ClassVar
+import importlib
+from typing import Any
 
-import structlog
+_EXPORTS = {
+    "FallbackTransport": "miles.sync.transport.fallback",
+    "Params": "miles.sync.transport.base",
+    "Published": "miles.sync.transport.base",
+    "Runner": "miles.sync.transport.base",
+    "TransportBroken": "miles.sync.transport.base",
+    "TransportKind": "miles.sync.transport.base",
+    "WeightTransport": "miles.sync.transport.base",
+    "verified_state": "miles.sync.transport.base",
+}
 
-from miles.sync.stream_export import PayloadLayout
-from miles.sync.transport.base import (
-    Params,
-    Published,
-    Runner,
-    TransportBroken,
-    TransportKind,
-    WeightTransport,
-    verified_state,
-)
-
-log = structlog.get_logger(__name__)
-
-__all__ = [
-    "FallbackTransport",
-    "Params",
-    "Published",
-    "Runner",
-    "TransportBroken",
-    "TransportKind",
-    "WeightTransport",
-    "verified_state",
-]
+__all__ = sorted(_EXPORTS)
 
 
-class FallbackTransport:
-    """``primary`` (a broadcast group) until it breaks, then ``fallback`` (the bus) for good.
-
-    A version whose primary publish fails with :class:`TransportBroken` is exported again into the fallback
-    (``params`` starts a fresh export), so it is announced once, complete, under the fallback's name; every
-    later version goes straight to the fallback. :meth:`restore` installs a re-formed primary.
-    """
-
-    kind: ClassVar[TransportKind] = "bus"
-
-    def __init__(self, primary: WeightTransport, fallback: WeightTransport) -> None:
-        self.primary: WeightTransport | None = primary
-        self.fallback = fallback
-        self.fallbacks = 0
-
-    def restore(self, primary: WeightTransport) -> None:
-        self.primary = primary
-
-    async def publish(self, layout: PayloadLayout, params: Params, *, run: Runner | None = None) -> Published:
-        if self.primary is not None:
-            try:
-                return await self.primary.publish(layout, params, run=run)
-            except TransportBroken as exc:
-                log.error("weights_transport_fallback", version=layout.version, error=str(exc), to=self.fallback.kind)
-                self.primary = None
-                self.fallbacks += 1
-        return await self.fallback.publish(layout, params, run=run)
-
-    async def fetch(self, version: int, digest: str, *, location: str = "") -> memoryview:
-        return await self.fallback.fetch(version, digest, location=location)
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

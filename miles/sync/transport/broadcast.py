@@ -40,23 +40,44 @@ import json
 import threading
 from collections import OrderedDict
 from datetime import timedelta
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import structlog
 import torch
 import torch.distributed as dist
 
-from miles.bus.dataplane import allocate
 from miles.bus.errors import ChecksumMismatch, PayloadMissing
 from miles.sync.checksum import digest
 from miles.sync.stream_export import PayloadLayout, Rechunker, encode_payload
 from miles.sync.transport.base import Params, Published, Runner, TransportBroken, TransportKind, runner
+from miles.sync.transport.dataplane import allocate
+
+if TYPE_CHECKING:
+    from miles.config import RunConfig
 
 log = structlog.get_logger(__name__)
 
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
 TRAILER_BYTES = 65
 _OK, _ABORTED = 1, 2
+
+
+def group_backend(cfg: RunConfig) -> Literal["gloo", "nccl"]:
+    """The one backend of the run's weight-update group, the same for the trainer and every worker (members that
+    chose their own could not meet: the rendezvous keys are prefixed by the backend's device). NCCL only when
+    the trainer and the engines are all on CUDA; gloo otherwise (a CUDA trainer sends from host memory)."""
+    trainer_cuda = str(getattr(cfg.trainer.backend, "device", "cpu")).startswith("cuda")
+    engine = cfg.rollout.engine
+    engines_cuda = engine.type == "torch" and engine.device.startswith("cuda")
+    return "nccl" if trainer_cuda and engines_cuda else "gloo"
+
+
+def rendezvous_store(store: dist.Store, name: str, backend: str) -> dist.Store:
+    """The store a member of group ``name`` builds its process group on: torch's group helper (and so SGLang's
+    ``/init_weights_update_group``) prefixes the keys ``<name>`` / ``<name>/`` / ``<device>/``, the device being
+    ``cuda`` for NCCL and ``cpu`` for gloo."""
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    return dist.PrefixStore(f"{device_type}/", dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store)))
 
 
 class WeightUpdateGroup:
@@ -89,19 +110,18 @@ class WeightUpdateGroup:
         ``timeout_s`` bounds the rendezvous and every collective: a member that stops answering turns into
         an error, not a hang.
         """
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"weight-update group backend must be gloo or nccl, got {backend!r}")
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        # torch's group helper (and so SGLang) prefixes the rendezvous keys this way
-        chain = dist.PrefixStore(f"{device.type}/", dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store)))
+        chain = rendezvous_store(store, name, backend)
         if backend == "gloo":
             pg: dist.ProcessGroup = dist.ProcessGroupGloo(chain, rank, world_size, timeout)
         elif backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             pg = dist.ProcessGroupNCCL(chain, rank, world_size, options)
-        else:
-            raise ValueError(f"weight-update group backend must be gloo or nccl, got {backend!r}")
         log.info("weight_group.joined", name=name, rank=rank, world_size=world_size, backend=backend)
         return cls(pg, dist.PrefixStore(f"{name}/miles", store), rank, world_size, name, device)
 

@@ -1,10 +1,10 @@
 """The bus data plane as a weight transport: the streamed payload goes into JetStream as it is produced.
 
 The export runs on the torch thread; each piece it produces is handed to the event loop's
-:class:`~miles.bus.dataplane.PayloadWriter` and the torch thread waits until the writer has taken it (the
+:class:`~miles.sync.transport.dataplane.PayloadWriter` and the torch thread waits until the writer has taken it (the
 writer copies it into a chunk or into nats-py's send buffer). That hand-off is the back-pressure: the
 exporting rank holds one parameter, one chunk being assembled and at most the writer's window of chunks
-awaiting acks, never the payload. Readers are unchanged (:meth:`~miles.bus.dataplane.WeightStore.get`):
+awaiting acks, never the payload. Readers are unchanged (:meth:`~miles.sync.transport.dataplane.WeightStore.get`):
 the stored chunks and manifest are those of a whole-payload ``put``.
 """
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 from typing import ClassVar
 
-from miles.bus.dataplane import WeightStore
 from miles.bus.errors import BusError
 from miles.sync.stream_export import PayloadLayout, encode_payload
 from miles.sync.transport.base import Params, Published, Runner, TransportKind, runner
+from miles.sync.transport.dataplane import WeightStore
 
 
 class BusTransport:

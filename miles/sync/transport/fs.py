@@ -27,11 +27,11 @@ from typing import Any, ClassVar
 
 import structlog
 
-from miles.bus.dataplane import allocate
 from miles.bus.errors import ChecksumMismatch, PayloadMissing
 from miles.sync.checksum import ALGORITHM, digest
 from miles.sync.stream_export import PayloadLayout, encode_payload
 from miles.sync.transport.base import Params, Published, Runner, TransportKind, runner
+from miles.sync.transport.dataplane import allocate
 
 log = structlog.get_logger(__name__)
 

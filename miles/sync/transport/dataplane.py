@@ -20,7 +20,7 @@ Why this shape:
 * :meth:`WeightStore.writer` is the same put fed piece by piece, for payloads produced as they are sent
   (the streamed export, :mod:`miles.sync.stream_export`): identical chunks and manifest, one chunk buffered.
 * Get lands every payload byte straight in one preallocated buffer (see
-  :mod:`miles.bus.rawfetch`; nats-py is the fallback) and verifies the xxh3-128 digest of the whole.
+  :mod:`miles.sync.transport.rawfetch`; nats-py is the fallback) and verifies the xxh3-128 digest of the whole.
   nats-py's object store, the obvious alternative, moved 64 MB in about 10 s here.
 * Old versions are purged by subject after each put, keeping the newest ``keep_versions``; a reader
   still fetching a purged version gets :class:`PayloadMissing` and moves on to a newer one.
@@ -47,13 +47,14 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.api import StreamConfig
+from nats.js.errors import NotFoundError
 
 from miles.bus.errors import BusError, ChecksumMismatch, PayloadMissing, TransientBusError
-from miles.bus.rawfetch import ChunkMissing, ChunkRequest, Endpoint, endpoint_from_client, fetch_chunks
 from miles.bus.retry import Outage, ResilientJetStream, request_across_reconnects, retrying
+from miles.bus.streams import ensure_weight_stream, weight_stream_config, weight_stream_name, weight_subject_prefix
 from miles.sync.checksum import ALGORITHM, digest, hasher
+from miles.sync.transport.rawfetch import ChunkMissing, ChunkRequest, Endpoint, endpoint_from_client, fetch_chunks
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -208,8 +209,7 @@ class WeightStore:
         self.window_bytes = window_bytes
         self.timeout_s = timeout_s
         self.kind: Kind = kind
-        self.stream = f"{run}_WEIGHTS" if kind == "full" else f"{run}_WEIGHTS_DELTA"
-        self.prefix = f"{run}.weights" if kind == "full" else f"{run}.wdelta"
+        self.stream, self.prefix = weight_stream_name(run, kind), weight_subject_prefix(run, kind)
         self._nc = js._nc  # the connection the context was made from (nats-py keeps no public accessor)
         self._api_prefix: str = getattr(js, "_prefix", "$JS.API")
         # An actor's context: chunk requests cut off by a reconnect are sent again at once (not after timeout_s).
@@ -238,7 +238,7 @@ class WeightStore:
 
         ``chunk_bytes`` defaults to (and is capped at) the server's ``max_payload`` minus a little headroom;
         it only shapes what this store puts, readers follow each version's manifest. ``fetch``
-        picks the reader: ``raw`` (zero-copy, :mod:`miles.bus.rawfetch`), ``client`` (nats-py), or
+        picks the reader: ``raw`` (zero-copy, :mod:`miles.sync.transport.rawfetch`), ``client`` (nats-py), or
         ``auto`` (raw where the connection allows it and the payload is at least ``RAW_FETCH_MIN_BYTES``, nats-py
         otherwise or if raw fails to connect).
         ``storage="memory"`` keeps the payloads in the server's RAM (``keep_versions`` x payload size):
@@ -265,7 +265,7 @@ class WeightStore:
             kind=kind,
         )
         if ensure:
-            await store._ensure_stream(replicas, storage)
+            await ensure_weight_stream(js, run, kind, replicas, storage)
         return store
 
     def sibling(self, kind: Kind, keep_versions: int | None = None) -> WeightStore:
@@ -283,46 +283,7 @@ class WeightStore:
         )
 
     def stream_config(self, replicas: int, storage: Storage = "file") -> StreamConfig:
-        return StreamConfig(
-            name=self.stream,
-            subjects=[f"{self.prefix}.>"],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.MEMORY if storage == "memory" else StorageType.FILE,
-            num_replicas=replicas,
-            discard=DiscardPolicy.OLD,
-            allow_direct=True,
-        )
-
-    async def _ensure_stream(self, replicas: int, storage: Storage) -> None:
-        config = self.stream_config(replicas, storage)
-        existing = None
-        for _ in range(5):  # every actor of a fresh cluster may race to create it
-            try:
-                existing = (await self.js.stream_info(self.stream)).config
-                break
-            except NotFoundError:
-                try:
-                    await self.js.add_stream(config)
-                    return
-                except BadRequestError:  # created concurrently by another actor: look again
-                    continue
-        if existing is None:
-            raise BusError(f"stream {self.stream} neither exists nor can be created")
-        if existing.storage != config.storage:
-            # The storage type of a stream cannot change; whoever created it decided. Readers do not care.
-            log.info("weights_stream_storage_kept", stream=self.stream, existing=str(existing.storage), wanted=storage)
-            return
-        if (existing.subjects, existing.num_replicas, existing.allow_direct, existing.discard) == (
-            config.subjects,
-            config.num_replicas,
-            config.allow_direct,
-            config.discard,
-        ):
-            return  # as wanted: no update (a cluster would replicate a no-op config change)
-        try:
-            await self.js.update_stream(config)
-        except BadRequestError as exc:
-            raise BusError(f"stream {self.stream} exists with an incompatible config: {exc.description}") from None
+        return weight_stream_config(self.run, self.kind, replicas, storage)
 
     # ------------------------------------------------------------------ subjects
 

@@ -1,0 +1,136 @@
+"""The rollout worker's side of weight sync: follow the announcements, fetch and verify, stage into the engine.
+
+:func:`build_receiver` opens the same data-plane stores as the trainer, the worker side of ``sync.transport``
+(registered by name in :data:`RECEIVER_TRANSPORTS`) and asks the engine for its weight sink
+(``engine.weight_sink``): each engine says how a published state becomes its weights (tensors loaded in
+place, a checkpoint a server reloads, an adapter a server loads), so the rollout actor knows no engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from miles.bus.client import KEY_TRAINER_VERSION
+from miles.engines.base import StagingEngine
+from miles.sync.follower import WeightFollower
+from miles.sync.lora import lora_scale
+from miles.sync.sender import open_stores, registrar
+from miles.sync.transport.base import TransportBroken
+from miles.sync.transport.broadcast import BroadcastReceiver, WeightUpdateGroup, group_backend
+from miles.sync.transport.fs import FsTransport, fs_root
+
+if TYPE_CHECKING:
+    from miles.bus.client import Bus
+    from miles.config import RunConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiverContext:
+    """What a worker-side transport factory may use (``group_rank``: this worker's rank in a weight-update group)."""
+
+    cfg: RunConfig
+    bus: Bus
+    run_dir: Path
+    group_rank: int | None
+    log: Any
+
+
+@dataclass(slots=True)
+class ReceiverSide:
+    """A transport's worker side: what the follower reads from (either may be None: the bus data plane then)."""
+
+    fs: FsTransport | None = None
+    group: BroadcastReceiver | None = None
+
+
+ReceiverFactory = Callable[[ReceiverContext], Awaitable[ReceiverSide]]
+RECEIVER_TRANSPORTS: dict[str, ReceiverFactory] = {}
+register_receiver = registrar(RECEIVER_TRANSPORTS, "weight receiver")  # the worker side of ``sync.transport: <name>``
+
+
+@register_receiver("bus")
+async def _bus(ctx: ReceiverContext) -> ReceiverSide:
+    return ReceiverSide()
+
+
+@register_receiver("fs")
+async def _fs(ctx: ReceiverContext) -> ReceiverSide:
+    return ReceiverSide(fs=FsTransport(fs_root(ctx.cfg, ctx.run_dir), keep_versions=ctx.cfg.sync.keep_versions))
+
+
+@register_receiver("broadcast")
+async def _broadcast(ctx: ReceiverContext) -> ReceiverSide:
+    """Join the trainer's weight-update group, at the run's first start only (a group forms once: a worker that
+    starts later, or again, takes its weights from the bus)."""
+    sync = ctx.cfg.sync
+    if await ctx.bus.get_bytes(KEY_TRAINER_VERSION) is not None:
+        ctx.log.warning("weight_group_not_joined", reason="the run already published weights: using the bus")
+        return ReceiverSide()
+    if ctx.group_rank is None:
+        raise ValueError("sync.transport 'broadcast' needs this worker's --weight-group-rank (1..rollout.workers)")
+    group = await asyncio.to_thread(
+        WeightUpdateGroup.join,
+        sync.broadcast_addr,
+        sync.broadcast_port,
+        ctx.group_rank,
+        1 + ctx.cfg.rollout.workers,
+        name=f"{ctx.cfg.name}_weights",
+        backend=group_backend(ctx.cfg),
+        timeout_s=sync.broadcast_timeout_s,
+    )
+    return ReceiverSide(group=BroadcastReceiver(group))
+
+
+class WeightReceiver:
+    """The worker's weight sync: a :class:`WeightFollower` and, for a weight-update group, its receiver."""
+
+    def __init__(self, follower: WeightFollower, side: ReceiverSide) -> None:
+        self.follower = follower
+        self.side = side
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Follow announcements until ``stopping`` (the broadcast receiver, if any, runs alongside)."""
+        group = self.side.group
+        if group is not None:
+            await group.start()
+        try:
+            await self.follower.run(stopping)
+        finally:
+            if group is not None:
+                with contextlib.suppress(TransportBroken):  # reported when it happened; the bus took over
+                    await group.stop()
+
+
+async def build_receiver(
+    cfg: RunConfig,
+    bus: Bus,
+    engine: StagingEngine,
+    *,
+    run_dir: Path,
+    group_rank: int | None,
+    log: Any,
+) -> WeightReceiver:
+    """The worker's weight receiver for ``cfg.sync``, staging into ``engine`` through its weight sink."""
+    factory = RECEIVER_TRANSPORTS.get(cfg.sync.transport)
+    if factory is None:
+        raise ValueError(f"unknown sync.transport {cfg.sync.transport!r}; known: {', '.join(RECEIVER_TRANSPORTS)}")
+    store, delta_store = await open_stores(cfg, bus)
+    lora = cfg.trainer.lora if cfg.sync.mode == "lora" else None
+    sink = engine.weight_sink(cfg.sync.dtype, None if lora is None else lora_scale(lora))
+    side = await factory(ReceiverContext(cfg, bus, run_dir, group_rank, log))
+    follower = WeightFollower(
+        bus,
+        store,
+        engine,
+        delta_store=delta_store,
+        decoder=sink,
+        fs=side.fs,
+        receiver=side.group,
+        require_payload_sha256=cfg.bus.payload_sha256,
+    )
+    return WeightReceiver(follower, side)
