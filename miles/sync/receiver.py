@@ -21,7 +21,7 @@ from miles.sync.follower import WeightFollower
 from miles.sync.lora import lora_scale
 from miles.sync.sender import open_stores, registrar
 from miles.sync.transport.base import TransportBroken
-from miles.sync.transport.broadcast import BroadcastReceiver, WeightUpdateGroup, group_backend
+from miles.sync.transport.broadcast import BroadcastReceiver, join_run_group
 from miles.sync.transport.fs import FsTransport, fs_root
 
 if TYPE_CHECKING:
@@ -67,22 +67,12 @@ async def _fs(ctx: ReceiverContext) -> ReceiverSide:
 async def _broadcast(ctx: ReceiverContext) -> ReceiverSide:
     """Join the trainer's weight-update group, at the run's first start only (a group forms once: a worker that
     starts later, or again, takes its weights from the bus)."""
-    sync = ctx.cfg.sync
     if await ctx.bus.get_bytes(KEY_TRAINER_VERSION) is not None:
         ctx.log.warning("weight_group_not_joined", reason="the run already published weights: using the bus")
         return ReceiverSide()
     if ctx.group_rank is None:
         raise ValueError("sync.transport 'broadcast' needs this worker's --weight-group-rank (1..rollout.workers)")
-    group = await asyncio.to_thread(
-        WeightUpdateGroup.join,
-        sync.broadcast_addr,
-        sync.broadcast_port,
-        ctx.group_rank,
-        1 + ctx.cfg.rollout.workers,
-        name=f"{ctx.cfg.name}_weights",
-        backend=group_backend(ctx.cfg),
-        timeout_s=sync.broadcast_timeout_s,
-    )
+    group = await asyncio.to_thread(join_run_group, ctx.cfg, ctx.group_rank)
     return ReceiverSide(group=BroadcastReceiver(group))
 
 

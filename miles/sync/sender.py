@@ -25,7 +25,7 @@ from miles.models.families.registry import family_of
 from miles.sync.publisher import Lineage, Published, WeightPublisher, announce, delta_keep_versions
 from miles.sync.stream_export import PayloadLayout
 from miles.sync.transport.base import WeightTransport
-from miles.sync.transport.broadcast import BroadcastTransport, WeightUpdateGroup, group_backend
+from miles.sync.transport.broadcast import BroadcastTransport, join_run_group
 from miles.sync.transport.bus import BusTransport
 from miles.sync.transport.dataplane import WeightStore
 from miles.sync.transport.fallback import FallbackTransport
@@ -90,16 +90,7 @@ async def _broadcast(ctx: TransportContext) -> WeightTransport:
     if not ctx.first_start:
         ctx.log.warning("weight_group_not_reformed", reason="trainer restart: weights go over the bus")
         return bus
-    group = await asyncio.to_thread(
-        WeightUpdateGroup.join,
-        sync.broadcast_addr,
-        sync.broadcast_port,
-        0,
-        1 + ctx.cfg.rollout.workers,
-        name=f"{ctx.cfg.name}_weights",
-        backend=group_backend(ctx.cfg),
-        timeout_s=sync.broadcast_timeout_s,
-    )
+    group = await asyncio.to_thread(join_run_group, ctx.cfg, 0)
     return FallbackTransport(BroadcastTransport(group, bucket_bytes=sync.broadcast_bucket_mb * 2**20), bus)
 
 

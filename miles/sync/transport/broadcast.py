@@ -72,6 +72,21 @@ def group_backend(cfg: RunConfig) -> Literal["gloo", "nccl"]:
     return "nccl" if trainer_cuda and engines_cuda else "gloo"
 
 
+def join_run_group(cfg: RunConfig, rank: int) -> WeightUpdateGroup:
+    """Join the run's weight-update group as ``rank`` (0: the trainer; workers 1..rollout.workers), blocking
+    until every member did; both sides call this, so they agree on name, size and backend."""
+    sync = cfg.sync
+    return WeightUpdateGroup.join(
+        sync.broadcast_addr,
+        sync.broadcast_port,
+        rank,
+        1 + cfg.rollout.workers,
+        name=f"{cfg.name}_weights",
+        backend=group_backend(cfg),
+        timeout_s=sync.broadcast_timeout_s,
+    )
+
+
 def rendezvous_store(store: dist.Store, name: str, backend: str) -> dist.Store:
     """The store a member of group ``name`` builds its process group on: torch's group helper (and so SGLang's
     ``/init_weights_update_group``) prefixes the keys ``<name>`` / ``<name>/`` / ``<device>/``, the device being
