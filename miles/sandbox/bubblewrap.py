@@ -346,6 +346,8 @@ class BubblewrapSandbox:
             raise SandboxError("sandbox is closed")
         read_fd, write_fd = os.pipe()
         group = self.group
+        if group is not None:
+            group.start_command()
         argv = build_argv(
             self.cfg, self.launcher, self.space, self.limits, group, command, binds=binds, status_fd=write_fd
         )

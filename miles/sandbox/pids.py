@@ -117,6 +117,11 @@ class PidsGroup:
         self._refused_seen = refused
         return hit
 
+    def start_command(self) -> None:
+        """Count refused forks from here on: those of an earlier command's processes, refused while they
+        were being killed after its last :meth:`limit_hit`, are not the next command's."""
+        self._refused_seen = self.refused_forks()
+
     def pids(self) -> list[int]:
         return [int(p) for p in self.procs_file.read_text().split()]
 

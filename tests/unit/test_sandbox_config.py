@@ -92,3 +92,19 @@ def test_mount_targets() -> None:
             mount_target(bad, "/app")
     with pytest.raises(ValueError):
         mount_target("/work", "/work/app")  # a mount above the work directory would hide it
+
+
+def test_forks_refused_before_a_command_started_are_not_its_own(tmp_path: Path) -> None:
+    """A fork bomb's last processes are refused forks while they are being killed, after the command's
+    last poll; the next command (the verifier) must not be reported as a fork bomb for them."""
+    from miles.sandbox.pids import PidsGroup
+
+    events = tmp_path / "pids.events"
+    events.write_text("max 3\n")
+    group = PidsGroup(tmp_path)
+    assert group.limit_hit()  # refused since the group was made
+    events.write_text("max 9\n")  # the bomb's tail, refused after its command's last poll
+    group.start_command()
+    assert not group.limit_hit()
+    events.write_text("max 10\n")
+    assert group.limit_hit() and not group.limit_hit()

@@ -102,6 +102,48 @@ def test_sparse_updates_are_declined_and_older_versions_ignored() -> None:
     assert engine.stage_weights({"w": torch.zeros(1)}, 5) and engine.pending_version == 5
 
 
+class DiesAfterLoading:
+    """Stand-in for our own server's process that a kill reaches after it loaded the new weights."""
+
+    def exited(self) -> int | None:
+        return None
+
+
+async def test_a_server_lost_between_load_and_label_is_restarted_not_given_up(tmp_path: Path) -> None:
+    import httpx
+
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if request.url.path == "/pause":
+            return httpx.Response(200)
+        if request.url.path == "/collective_rpc" and calls.count("/collective_rpc") == 1:
+            return httpx.Response(200, json={"results": [{"ok": True, "digest": "d5"}]})
+        raise httpx.ConnectError("All connection attempts failed", request=request)  # killed from here on
+
+    engine = make_engine(3)
+    engine.server = DiesAfterLoading()  # type: ignore[assignment]  # ours to restart
+    engine._held_file = (3, tmp_path / "v3.safetensors", "d3")
+    engine._client = httpx.AsyncClient(base_url="http://vllm", transport=httpx.MockTransport(handler))
+    engine._serving.set()
+    with pytest.raises(VllmError):
+        await engine._switch(5, tmp_path / "v5.safetensors", "d5")
+    # The restore found the server gone: not a fatal error (a restart reloads the held file), but nothing is
+    # sent to it meanwhile and the supervisor is asked to restart it.
+    assert calls[:4] == ["/pause", "/collective_rpc", "/update_weight_version", "/collective_rpc"]
+    assert engine.error is None and engine.version == 3
+    assert not engine._serving.is_set() and engine._restart_reason is not None
+    # A server of someone else's (a URL) that cannot be restored is given up on: it may serve wrong weights.
+    calls.clear()
+    engine.server = None
+    engine._serving.set()
+    with pytest.raises(VllmError):
+        await engine._switch(5, tmp_path / "v5.safetensors", "d5")
+    assert engine.error is not None and "no known version" in str(engine.error)
+    await engine._client.aclose()
+
+
 def test_a_lora_update_is_merged_on_the_checkpoint_and_staged_whole(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 

@@ -60,6 +60,10 @@ class VllmError(EngineError):
     """The server refused a request or answered outside the contract above."""
 
 
+class Unreachable(VllmError):
+    """A control request (pause, load, label, resume) could not reach the server: it may have died."""
+
+
 class ServerDown(Exception):
     """A request found the server gone (connection refused or dropped): wait for the restart, send again."""
 
@@ -112,6 +116,7 @@ class VllmEngine:
         self._unpinned = asyncio.Event()
         self._unpinned.set()
         self._held_file: tuple[int, Path, str] | None = None  # version, file, digest the server holds
+        self._restart_reason: str | None = None  # set when the server's weights are unknown: the supervisor acts
         self._tasks: list[asyncio.Task[None]] = []
         self.switches = 0
         self.last_pause_s = 0.0
@@ -363,6 +368,8 @@ class VllmEngine:
             raise EngineError("VllmEngine is not started")
         try:
             response = await client.request(method, path, **kwargs)
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            raise Unreachable(f"{method} {path}: {type(exc).__name__}: {_one_line(str(exc))}") from None
         except httpx.HTTPError as exc:
             raise VllmError(f"{method} {path}: {type(exc).__name__}: {_one_line(str(exc))}") from None
         return self._json(method, path, response)
@@ -530,6 +537,15 @@ class VllmEngine:
             if held is None:
                 raise VllmError("no earlier weight file to go back to")
             await self._rpc_load(held[1], held[2])
+        except Unreachable as exc:
+            if self.server is None:
+                self._error = EngineError(f"the vLLM server holds weights of no known version: {exc}")
+                raise self._error from None
+            # Our own server, gone mid-switch (killed, crashed): whatever it holds is unknown, so nothing is
+            # sent to it until the supervisor has restarted it from the held file.
+            self._serving.clear()
+            self._restart_reason = f"unreachable during a weight switch ({exc})"
+            raise
         except EngineError as exc:
             self._error = EngineError(f"the vLLM server holds weights of no known version: {exc}")
             raise self._error from None
@@ -572,6 +588,9 @@ class VllmEngine:
                 await asyncio.sleep(self.cfg.health_every_s)
                 code = self.server.exited()
                 reason = None if code is None else f"exited with status {code}"
+                if reason is None and self._restart_reason is not None:
+                    reason = self._restart_reason
+                self._restart_reason = None
                 if reason is None:
                     try:
                         ok = (await probe.get(f"{self.base_url}/health")).status_code == 200
