@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from miles.child_process import die_with_parent
 from miles.config import RunConfig, dump_config
 
 if TYPE_CHECKING:
@@ -67,7 +68,9 @@ def _spawn(name: str, cmd: list[str], run_dir: Path) -> Child:
         os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"
     )
     handle = open(log_path, "ab")
-    proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True, **die_with_parent()
+    )
     handle.close()
     return Child(name, proc, log_path)
 
@@ -164,9 +167,11 @@ async def run_local(cfg: RunConfig, run_dir: Path, nats_url: str | None, *, quie
             await setup_run(cfg.bus, nats_url, cfg.name)  # else the run's operator set it up already
         children = spawn_actors(cfg, config_path, run_dir, nats_url)
         view = ProgressView(cfg, nats_url, quiet=quiet)
+        signalled = _StopSignals()
         try:
-            status, failure = await _supervise(children, view)
+            status, failure = await _supervise(children, view, signalled)
         finally:
+            signalled.remove()
             await asyncio.to_thread(stop_children, children)
             await view.close()
     summary_path = run_dir / "summary.json"
@@ -206,13 +211,39 @@ def write_incomplete_summary(path: Path, summary: dict | None, reason: str) -> d
     return out
 
 
-async def _supervise(children: list[Child], view: ProgressView) -> tuple[int, str | None]:
-    """Until the controller exits: ``(0, None)``, or ``(1, reason)`` when any actor failed first."""
+class _StopSignals:
+    """SIGTERM and SIGHUP (a scheduler's cancel, a closed terminal) end the run like Ctrl-C does: the actors are
+    stopped and the summary says why. Python's default for them would kill the launcher on the spot and leave
+    its actors running until their bus outage budget ran out."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.received: signal.Signals | None = None
+        self._loop = asyncio.get_running_loop()
+        for sig in self.SIGNALS:
+            self._loop.add_signal_handler(sig, self._receive, sig)
+
+    def _receive(self, sig: signal.Signals) -> None:
+        self.received = self.received or sig
+
+    def remove(self) -> None:
+        for sig in self.SIGNALS:
+            self._loop.remove_signal_handler(sig)
+
+
+async def _supervise(children: list[Child], view: ProgressView, signalled: _StopSignals) -> tuple[int, str | None]:
+    """Until the controller exits: ``(0, None)``, ``(1, reason)`` when any actor failed first, or
+    ``(128 + signal, reason)`` when the launcher was told to stop."""
     controller = children[0]
     await view.start()
     while True:
         await asyncio.sleep(0.5)
         await view.refresh()
+        if signalled.received is not None:
+            reason = f"miles run received {signalled.received.name}; the actors were stopped"
+            view.fail(reason, _tail(controller.log_path))
+            return 128 + signalled.received.value, reason
         if controller.proc.poll() is not None:
             if controller.proc.returncode == 0:
                 return 0, None

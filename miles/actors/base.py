@@ -52,6 +52,9 @@ class Actor(ABC):
         if not self.stopping.is_set():
             self.log.info("stop_requested", reason=reason)
             self.stopping.set()
+            # Draining may still publish (a last version, acks); a bus that went down with the launcher is
+            # waited for briefly, not for the whole outage budget (miles.bus.retry.DRAIN_GRACE_S).
+            self.bus.outage.draining()
 
     async def run(self) -> None:
         """Run until the main loop returns; any failing task fails the whole actor."""

@@ -12,7 +12,8 @@ So every JetStream request of an actor is wrapped by :func:`retrying`: on a *tra
 connection that is reconnecting) it backs off (50 ms doubling to 2 s) and retries, for at most
 ``bus.outage_budget_s`` seconds since the first failure. Past the budget it raises
 :class:`~miles.bus.errors.BusUnavailable`, whose one-line message says what the actor waited for; the
-actor exits with it (``miles-node: error: ...``) rather than hang. Anything else (a refused
+actor exits with it (``miles-node: error: ...``) rather than hang. Once the actor is stopping
+(:meth:`Outage.draining`), a bus that is away is waited for at most ``DRAIN_GRACE_S`` more. Anything else (a refused
 permission, a stream that does not exist, a bad request) is raised at once.
 
 Retrying a request is only safe when doing it twice is the same as doing it once:
@@ -67,6 +68,10 @@ MSG_ID_HEADER = "Nats-Msg-Id"
 # nats-py bounds only the wait for the reply: a publish of the request can block in its flusher across
 # quick successive reconnects, and one such attempt must not stall its caller past every outage budget.
 STUCK_ATTEMPT_MARGIN_S = 5.0
+# How long a draining actor (SIGTERM, a stop command) still waits for a bus that is away, whatever the budget:
+# a launcher SIGKILLed takes its nats-server with it and leaves no one to SIGKILL an actor that would wait out
+# a long ``bus.outage_budget_s`` to publish its last version. Below the launcher's own stop grace (20 s).
+DRAIN_GRACE_S = 15.0
 
 # JetStream error codes that mean "not now" rather than "never" (nats-server's errors.json): the JetStream
 # system or a stream's group has no leader yet, a stream or consumer is offline while its peers catch up.
@@ -125,6 +130,7 @@ class Outage:
     outages: int = 0  # disconnects seen
     retries: int = 0  # requests sent again
     unconfirmed_acks: int = 0  # acks left to redelivery
+    stop_by: float | None = None  # monotonic time past which a draining actor stops waiting for the bus
     _logged: set[str] = field(default_factory=set)
     _back: asyncio.Event = field(default_factory=asyncio.Event)  # set by the next reconnect (then replaced)
 
@@ -141,6 +147,17 @@ class Outage:
     def next_reconnect(self) -> asyncio.Event:
         """An event the next reconnect sets (not one before this call)."""
         return self._back
+
+    def draining(self, grace_s: float = DRAIN_GRACE_S) -> None:
+        """The actor is stopping: from now on a bus that is away is waited for at most ``grace_s`` more."""
+        deadline = time.monotonic() + grace_s
+        if self.stop_by is None or deadline < self.stop_by:
+            self.stop_by = deadline
+
+    def left_s(self, failing_since: float, now: float) -> float:
+        """Seconds still to wait for a bus failing since ``failing_since``: the budget's, or the drain's if less."""
+        left = self.budget_s - (now - failing_since)
+        return left if self.stop_by is None else min(left, self.stop_by - now)
 
     def down_for(self) -> float:
         return 0.0 if self.down_since is None else time.monotonic() - self.down_since
@@ -204,9 +221,14 @@ def _forget(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
-def gave_up(what: str, budget_s: float, exc: BaseException | None) -> BusUnavailable:
+def gave_up(what: str, outage: Outage, exc: BaseException | None, waited_s: float | None = None) -> BusUnavailable:
     detail = f" (last error: {describe(exc)})" if exc is not None else ""
-    return BusUnavailable(f"gave up after {budget_s:g} s (bus.outage_budget_s) waiting for {what}{detail}")
+    waited_s = outage.budget_s if waited_s is None else waited_s
+    if waited_s < outage.budget_s:  # cut short by a stop request
+        why = f"while stopping (a draining actor waits at most {DRAIN_GRACE_S:g} s for the bus)"
+    else:
+        why = "(bus.outage_budget_s)"
+    return BusUnavailable(f"gave up after {waited_s:.3g} s {why} waiting for {what}{detail}")
 
 
 async def retrying(op: Callable[[], Awaitable[T]], *, what: str, outage: Outage) -> T:
@@ -227,9 +249,9 @@ async def retrying(op: Callable[[], Awaitable[T]], *, what: str, outage: Outage)
                 first_failure = now
                 log.warning("bus_retrying", what=what, error=describe(exc), budget_s=outage.budget_s)
             last = exc
-            left = outage.budget_s - (now - first_failure)
+            left = outage.left_s(first_failure, now)
             if left <= 0:
-                raise gave_up(what, outage.budget_s, last) from None
+                raise gave_up(what, outage, last, now - first_failure) from None
             outage.retries += 1
             await asyncio.sleep(min(delay, left) * random.uniform(0.8, 1.2))
             delay = min(delay * 2, MAX_BACKOFF_S)
@@ -293,8 +315,9 @@ class ResilientPullSubscription:
             )
         except asyncio.TimeoutError:
             # An idle consumer and a dead server look the same here: the connection's state tells them apart.
-            if self._outage.down_for() > self._outage.budget_s:
-                raise gave_up(f"{self._what} (the connection is down)", self._outage.budget_s, None) from None
+            outage = self._outage
+            if outage.down_since is not None and outage.left_s(outage.down_since, time.monotonic()) <= 0:
+                raise gave_up(f"{self._what} (the connection is down)", outage, None, outage.down_for()) from None
             raise
         except Exception as exc:
             if not is_transient(exc):
@@ -304,8 +327,8 @@ class ResilientPullSubscription:
                 self._failing_since = now
                 log.warning("bus_fetch_failing", what=self._what, error=describe(exc))
             self._last = exc
-            if now - self._failing_since > self._outage.budget_s:
-                raise gave_up(self._what, self._outage.budget_s, exc) from None
+            if self._outage.left_s(self._failing_since, now) <= 0:
+                raise gave_up(self._what, self._outage, exc, now - self._failing_since) from None
             self._outage.retries += 1
             await asyncio.sleep(min(timeout or 1.0, 0.5))
             raise asyncio.TimeoutError from None

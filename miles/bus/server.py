@@ -29,7 +29,6 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -40,6 +39,7 @@ from typing import IO, Any
 import structlog
 
 from miles.bus.errors import BusError
+from miles.child_process import die_with_parent
 
 log = structlog.get_logger(__name__)
 
@@ -72,17 +72,6 @@ def find_nats_server() -> Path:
 def _conf_str(value: str | Path) -> str:
     # The NATS config format accepts JSON string literals, which handles quotes and backslashes.
     return json.dumps(str(value))
-
-
-def _set_pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-    except Exception:
-        pass
 
 
 class EmbeddedNats:
@@ -205,10 +194,7 @@ class EmbeddedNats:
             stale.unlink(missing_ok=True)
         self._url = self._monitor_url = None
         self._log_file = open(self.log_path, "ab")
-        kwargs: dict[str, Any] = {}
-        if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
-            # PDEATHSIG fires when the *thread* that forked exits, so only arm it from the main thread.
-            kwargs["preexec_fn"] = _set_pdeathsig
+        kwargs: dict[str, Any] = die_with_parent()
         if self.go_threads is not None:
             kwargs["env"] = {**os.environ, "GOMAXPROCS": str(self.go_threads)}
         self._proc = subprocess.Popen(

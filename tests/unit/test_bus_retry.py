@@ -118,6 +118,38 @@ async def test_a_server_that_stays_away_ends_the_call_past_the_budget(tmp_path: 
         server.stop_sync()
 
 
+async def test_a_draining_actor_waits_for_a_server_that_went_away_only_its_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launcher SIGKILLed takes its nats-server with it, and its actors get SIGTERM: one whose last publish
+    would wait out a 900 s budget for that server must give up within the drain's grace and say why."""
+    monkeypatch.setattr(retry, "DRAIN_GRACE_S", 1.0)
+    server, outage, nc = await connected_server(tmp_path, "drain", 900.0)
+    try:
+        js = resilient_jetstream(nc, outage, timeout=0.3)
+        await js.add_stream(name="D", subjects=["d.>"])
+        server.kill()
+        outage.draining(retry.DRAIN_GRACE_S)
+        with pytest.raises(BusUnavailable, match="while stopping") as info:
+            await asyncio.wait_for(js.publish("d.a", b"last version"), timeout=60)
+        assert "d.a" in str(info.value) and "bus.outage_budget_s" not in str(info.value)
+    finally:
+        await close_client(nc)
+        server.stop_sync()
+
+
+async def test_draining_does_not_cut_short_a_bus_that_is_up(nats_server: str) -> None:
+    outage = Outage(budget_s=30.0)
+    nc = await connect(nats_server, name="drain-up", outage=outage)
+    try:
+        outage.draining(0.0)  # the grace is long past; the bus is up, so nothing is waited for
+        js = resilient_jetstream(nc, outage, timeout=2.0)
+        await js.add_stream(name="DU", subjects=["du.>"])
+        assert (await js.publish("du.a", b"x")).seq == 1
+    finally:
+        await close_client(nc)
+
+
 async def test_an_attempt_stuck_past_its_timeout_is_abandoned_and_sent_again(
     nc: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:

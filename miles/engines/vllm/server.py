@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import structlog
 
+from miles.child_process import die_with_parent
 from miles.config import VllmEngineConfig
 from miles.engines.base import EngineError
 
@@ -99,8 +100,11 @@ class VllmServer:
         with open(self.log_path, "ab") as out:
             out.write(f"\n=== miles: starting vLLM ({time.strftime('%H:%M:%S')}): {' '.join(cmd)}\n".encode())
             out.flush()
-            # Its own session: a signal to the worker's group does not reach the server; close() stops it.
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            # Its own session: a signal to the worker's group does not reach the server; close() stops it,
+            # and a SIGKILLed worker's death does (die_with_parent).
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, **die_with_parent()
+            )
         self.starts += 1
         log.info("vllm_server_starting", pid=self.proc.pid, port=self.port, log=str(self.log_path))
         await self._wait_healthy()
