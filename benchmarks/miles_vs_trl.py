@@ -26,7 +26,8 @@ Both get the same environment thread limits (``OMP_NUM_THREADS`` etc., ``--threa
 several processes (controller, ``rollout.workers`` workers, ``trainer.ranks`` ranks, a nats-server)
 whose per-process torch threads come from the recipe (``rollout.engine.threads``,
 ``trainer.backend.threads``), and its launcher pins ``OMP_NUM_THREADS=1`` in every actor; TRL is one
-process whose torch threads default to ``trainer.backend.threads``. The JSON records what each used,
+process, and by default its torch intra-op pool gets every core this process may run on (as torch's own
+default would), so neither side has cores the other lacks. The JSON records what each used,
 plus the CPU seconds of each side's whole process tree, so a reader can tell a speed-up from a side
 that merely used more cores.
 
@@ -319,8 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--trl-threads",
         type=int,
-        default=None,
-        help="torch intra-op threads of the TRL process (default: the recipe's trainer.backend.threads).",
+        default=len(os.sched_getaffinity(0)),
+        help="torch intra-op threads of the TRL process (default: every core this process may use, as Miles' "
+        "processes together do).",
     )
     p.add_argument("--only", choices=("miles", "trl"), help="Run one side only (e.g. while the other is broken).")
     p.add_argument(

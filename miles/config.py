@@ -430,6 +430,13 @@ class StalenessConfig(Strict):
     on_stale: Literal["drop", "requeue"] = Field(
         "requeue", description="What the trainer does with a trajectory older than the bound: drop, or re-issue it."
     )
+    stale_prefix: Literal["discard", "mask"] = Field(
+        "discard",
+        description="A trajectory whose first tokens are older than the bound but whose last ones are not (a long "
+        "answer the engine continued under newer weights): 'discard' treats it as stale (on_stale); 'mask' trains "
+        "it with its too-old tokens out of the loss (they stay as context), so its generation is not thrown away "
+        "and redone. Either way no trained token is more than max_staleness versions old (docs/staleness.md).",
+    )
 
 
 class SyncConfig(Strict):
@@ -600,7 +607,7 @@ class RunConfig(Strict):
 
 
 class ConfigError(Exception):
-    """A recipe or override that cannot be loaded; the message is one line naming the problem."""
+    """A recipe or override that cannot be loaded; the message names the file and every problem found."""
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
@@ -646,20 +653,32 @@ def _variant_tags() -> set[str]:
     return tags
 
 
-def _format_error(err: ValidationError, source: str) -> str:
-    first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-after"))
+# Keys renamed or moved since an earlier release: a recipe that still uses one is told the new name.
+RENAMED_KEYS: dict[str, str] = {
+    "rollout.groups_per_batch": "rollout.groups_in_flight (groups a worker plays at once)",
+    "trainer.eval_every": "eval.every (evaluations are played by rollout workers)",
+}
+
+
+def _describe(error: Any) -> str:
+    """One validation problem as ``key: what is wrong``."""
+    loc = ".".join(str(p) for p in error["loc"] if not str(p).startswith("function-after"))
     # Discriminated unions put the tag ('tiny', 'fsdp') in the location; drop it for readability.
     loc = ".".join(p for p in loc.split(".") if p not in _variant_tags())
-    msg = first["msg"]
-    if first["type"] == "extra_forbidden":
-        msg = "unknown key"
-    elif first["type"] == "union_tag_invalid":
-        ctx = first.get("ctx", {})
+    msg = error["msg"]
+    if error["type"] == "extra_forbidden":
+        msg = f"unknown key; renamed: use {RENAMED_KEYS[loc]}" if loc in RENAMED_KEYS else "unknown key"
+    elif error["type"] == "union_tag_invalid":
+        ctx = error.get("ctx", {})
         msg = f"unknown type {ctx.get('tag')!r}; expected one of {ctx.get('expected_tags')}"
-    extra = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
-    where = f"{loc}: " if loc else ""
-    return f"{source}: {where}{msg}{extra}"
+    return f"{loc}: {msg}" if loc else msg
+
+
+def _format_problems(problems: list[str], source: str) -> str:
+    """One problem: one line. Several: a header and one indented line each, so a user fixes them in one go."""
+    if len(problems) == 1:
+        return f"{source}: {problems[0]}"
+    return f"{source}: {len(problems)} problems:\n" + "\n".join(f"  {p}" for p in problems)
 
 
 def add_override_option(parser: argparse.ArgumentParser) -> None:
@@ -677,7 +696,8 @@ def add_override_option(parser: argparse.ArgumentParser) -> None:
 def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
     """Load a recipe (or the defaults when ``recipe`` is None) and apply dotted overrides.
 
-    Raises :class:`ConfigError` with a one-line message naming the file and field.
+    Raises :class:`ConfigError` naming the file and, for each problem, the key and what is wrong (one line for
+    one problem; every problem at once when there are several).
     """
     data: dict[str, Any] = {}
     source = "defaults"
@@ -697,11 +717,20 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections")
         data = loaded
-    data = apply_overrides(data, overrides or [])
+    problems: list[str] = []
+    for item in overrides or []:  # every malformed override is reported, beside the recipe's problems
+        try:
+            apply_overrides(data, [item])
+        except ConfigError as exc:
+            problems.append(str(exc))
     try:
-        return RunConfig.model_validate(data)
+        cfg = RunConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_error(err, source)) from None
+        problems.extend(_describe(e) for e in err.errors())
+    else:
+        if not problems:
+            return cfg
+    raise ConfigError(_format_problems(problems, source))
 
 
 def dump_config(cfg: RunConfig) -> str:

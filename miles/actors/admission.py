@@ -23,6 +23,15 @@ def admission_limit(step: int, max_staleness: int, groups_per_step: int, steps: 
     return min((max_staleness + step + 1) * groups_per_step, steps * groups_per_step)
 
 
+def issue_room(
+    state: AdmissionState, *, step: int, max_staleness: int, groups_per_step: int, steps: int, over_issue: int = 0
+) -> int:
+    """Groups the controller may issue now: the staleness window (plus ``over_issue`` replacements for
+    filtered groups) less what is outstanding or trained. Pure, so the fleet simulator drives the same rule."""
+    limit = admission_limit(step, max_staleness, groups_per_step, steps) + over_issue
+    return limit - (state.issued - state.discarded)
+
+
 @dataclass(slots=True)
 class AdmissionState:
     """Issued count, dataset cursor and the re-issue queue, plus what the trainer resolved."""

@@ -36,7 +36,7 @@ from typing import Any
 from nats.js.api import RawStreamMsg
 
 from miles.actors import trust
-from miles.actors.admission import AdmissionState, SampleOrder, admission_limit, plan_batch
+from miles.actors.admission import AdmissionState, SampleOrder, admission_limit, issue_room, plan_batch
 from miles.actors.base import Actor
 from miles.actors.evaluations import EvalCoordinator
 from miles.actors.run_record import RunRecord
@@ -331,10 +331,14 @@ class Controller(Actor):
                 await asyncio.wait_for(self._admit_open.wait(), timeout=0.5)
         while not done.is_set():
             self._wake.clear()  # before reading the step: a bump from here on wakes the wait below
-            limit = admission_limit(
-                self.trainer_step, self.cfg.staleness.max_staleness, trainer.groups_per_step, trainer.steps
-            ) + over_issue_groups(trainer.algo, trainer.groups_per_step)  # replacements for filtered groups
-            room = limit - (self.state.issued - self.state.discarded)
+            room = issue_room(
+                self.state,
+                step=self.trainer_step,
+                max_staleness=self.cfg.staleness.max_staleness,
+                groups_per_step=trainer.groups_per_step,
+                steps=trainer.steps,
+                over_issue=over_issue_groups(trainer.algo, trainer.groups_per_step),  # filtered groups' replacements
+            )
             if room > 0 and self.trainer_version >= 0:
                 batch = plan_batch(self.state, self.order, room, self.trainer_version)
                 # The issue record goes first: a restart finds the batch and publishes it again, same contents.
@@ -529,7 +533,7 @@ class Controller(Actor):
                 trainer_version=message.trainer_version,
                 reason=message.reason,
             )
-        self.record.count_discarded(len(message.group_ids), message.requeue, message.reason)
+        self.record.count_discarded(len(message.group_ids), message.requeue, message.reason, message.model_tokens)
         self._wake.set()
 
     async def _on_metrics(self, raw: RawStreamMsg, replaying: bool) -> None:

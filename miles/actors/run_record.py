@@ -22,7 +22,16 @@ from typing import Any
 from miles.bus.schema import EvalResult, GroupsIssued, StepMetrics
 
 # Step metrics that are not per-step means of their own but counts summed into summary.json.
-EPISODE_SUMS = ("infra_excluded", "reward_failed", "tool_calls", "parse_errors", "truncated", "sandbox_failures")
+EPISODE_SUMS = (
+    "infra_excluded",
+    "reward_failed",
+    "tool_calls",
+    "parse_errors",
+    "truncated",
+    "sandbox_failures",
+    "model_tokens",  # sampled tokens of the trained batches
+    "stale_tokens_masked",  # of which left out of the loss as too old (staleness.stale_prefix: mask)
+)
 
 
 def finite(value: Any) -> Any:
@@ -76,6 +85,7 @@ class RunRecord:
         self.dropped = 0
         self.requeued = 0
         self.discard_reasons: dict[str, int] = {}
+        self.discarded_tokens: dict[str, int] = {}  # reason -> sampled tokens of the groups discarded for it
         self.episode_sums: dict[str, float] = {}
         self.steps_seen: set[int] = set()
         self.steps_replayed = 0
@@ -119,12 +129,13 @@ class RunRecord:
             self.ledger("issued", t, group_id=group_id, sample_id=sample_id, version=msg.issued_at_version)
         self.groups_issued = max(self.groups_issued, msg.end_index)
 
-    def count_discarded(self, n: int, requeue: bool, reason: str = "stale") -> None:
+    def count_discarded(self, n: int, requeue: bool, reason: str = "stale", model_tokens: int = 0) -> None:
         if requeue:
             self.requeued += n
         else:
             self.dropped += n
         self.discard_reasons[reason] = self.discard_reasons.get(reason, 0) + n
+        self.discarded_tokens[reason] = self.discarded_tokens.get(reason, 0) + model_tokens
 
     def step(self, msg: StepMetrics, t: float | None = None, **extra: float) -> None:
         """A step's line and its ledger lines; ``t`` is when the report was stored (default now)."""
@@ -207,6 +218,7 @@ class RunRecord:
             "trajectories_dropped": self.dropped + self.requeued,
             "trajectories_requeued": self.requeued,
             "discard_reasons": dict(sorted(self.discard_reasons.items())),
+            "model_tokens_discarded": dict(sorted(self.discarded_tokens.items())),
             "steps_replayed": self.steps_replayed,
             **{key: self.episode_sums.get(key, 0.0) for key in EPISODE_SUMS},
             "weights_verified": 0,

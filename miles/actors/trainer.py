@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -46,6 +47,7 @@ from miles.security.signing import SIGNATURE_HEADER, SIGNER_HEADER, SignatureErr
 from miles.sync.publisher import Lineage
 from miles.sync.sender import WeightSender, build_sender
 from miles.training.batch import build_batch, group_rewards
+from miles.training.intake import classify, judged_version
 from miles.training.lineage import IndexSet, VersionLineage
 from miles.training.recovery import fetch_batch, plan_recovery, read_history
 from miles.training.step import plan_batch
@@ -185,19 +187,30 @@ class TrainerLeader(Actor):
                     if traj is None:
                         continue
                     index = traj.issue_index
-                    if index in self.resolved or index in held:
+                    gf, shaper = self.group_filter, self.shaper
+                    verdict = classify(
+                        index,
+                        resolved=self.resolved,
+                        held=held,
+                        lag=self.lineage.distance(
+                            judged_version(traj.oldest_version, traj.newest_version, self.cfg.staleness.stale_prefix)
+                        ),
+                        max_staleness=self.cfg.staleness.max_staleness,
+                        has_trained_episodes=bool(traj.trained_episodes),
+                        keep=None if gf is None else (lambda t=traj: gf(group_rewards(t, shaper))),
+                    )
+                    if verdict == "duplicate":
                         self.counts["duplicates"] += 1
                         await m.ack()
                         continue
-                    lag = self.lineage.distance(traj.oldest_version)
-                    if lag is None or lag > self.cfg.staleness.max_staleness:
+                    if verdict == "stale":
                         await self._discard(m, traj, "stale", requeue=self.cfg.staleness.on_stale == "requeue")
                         continue
-                    if not traj.trained_episodes:  # every episode failed: nothing to learn from this group
+                    if verdict == "no_signal":
                         infra = any(e.status == "infra_error" for e in traj.episodes)
                         await self._discard(m, traj, "no_signal", requeue=infra)
                         continue
-                    if self.group_filter is not None and not self.group_filter(group_rewards(traj, self.shaper)):
+                    if verdict == "filtered":
                         await self._discard(m, traj, "filtered", requeue=False)  # its credit buys a new prompt
                         continue
                     held.add(index)
@@ -242,6 +255,7 @@ class TrainerLeader(Actor):
             requeue=requeue,
             trainer_version=self.lineage.version,
             reason=reason,  # type: ignore[arg-type]
+            model_tokens=traj.num_model_tokens,
         )
         ack = await self.bus.publish(self.bus.subjects.discarded, event)  # recorded durably before the ack
         self._discarded_failures["reward_failed"] += sum(e.status == "reward_failed" for e in traj.episodes)
@@ -266,14 +280,28 @@ class TrainerLeader(Actor):
 
     # ------------------------------------------------------------------ training
 
+    def _fresh(self, version: int) -> bool:
+        """Within the staleness bound now (``stale_prefix: mask`` trains only such tokens)."""
+        lag = self.lineage.distance(version)
+        return lag is not None and lag <= self.cfg.staleness.max_staleness
+
+    @staticmethod
+    def _oldest_trained(traj: Trajectory, fresh: Callable[[int], bool] | None) -> int:
+        """The oldest version behind a token the step trains: with masking, the oldest fresh one."""
+        if fresh is None:
+            return traj.oldest_version
+        kept = [v for e in traj.trained_episodes for _, v in e.spans if fresh(v)]
+        return min(kept, default=traj.oldest_version)
+
     async def _step(
         self, trajs: list[Trajectory], seqs: list[int], msgs: list[Msg], *, replayed: bool, started: float
     ) -> None:
         """Train one batch, publish its version, ack it, checkpoint if due."""
-        batch = build_batch(trajs, self.advantages, self.shaper)
+        fresh = self._fresh if self.cfg.staleness.stale_prefix == "mask" else None
+        batch = build_batch(trajs, self.advantages, self.shaper, fresh)
         if self.teacher is not None:  # on-policy distillation from teacher actors: their log-probs of our tokens
             await self.teacher.fill(batch.samples, self.cfg.rollout.sampling.temperature or 1.0)
-        lags = [self.lineage.distance(t.oldest_version) for t in trajs]
+        lags = [self.lineage.distance(self._oldest_trained(t, fresh)) for t in trajs]
         staleness = [lag if lag is not None else -1 for lag in lags]
         dp_size = self.ranks.worker.backend.dp_size
         plan = plan_batch(batch.samples, self.cfg.trainer.algo.minibatches, dp_size)

@@ -148,6 +148,10 @@ class Episode(Message):
     def oldest_version(self) -> int:
         return min(version for _, version in self.spans)
 
+    @cached_property
+    def newest_version(self) -> int:
+        return max(version for _, version in self.spans)
+
     @property
     def trained(self) -> bool:
         return self.status == "ok"
@@ -193,6 +197,17 @@ class Trajectory(Message):
         """The oldest policy version behind any trained token (any token when nothing is trained)."""
         episodes = self.trained_episodes or self.episodes
         return min(e.oldest_version for e in episodes)
+
+    @cached_property
+    def newest_version(self) -> int:
+        """The newest policy version behind any trained token (any token when nothing is trained)."""
+        episodes = self.trained_episodes or self.episodes
+        return max(e.newest_version for e in episodes)
+
+    @property
+    def num_model_tokens(self) -> int:
+        """Tokens the engine sampled for this group, over every episode (trained or not)."""
+        return sum(e.num_model_tokens for e in self.episodes)
 
     @property
     def num_tokens(self) -> int:
@@ -338,6 +353,9 @@ class GroupsDiscarded(Message):
         "(every one failed or was infra-excluded); filtered: the group filter (DAPO dynamic sampling) left it "
         "out (its rewards do not differ); invalid: the trainer refused the group's trajectory (tokens "
         "outside the vocabulary, a version never published: docs/security.md), so the group is issued again.",
+    )
+    model_tokens: Count = Field(
+        0, description="Tokens the engine sampled for these groups (generation thrown away, or redone if re-queued)."
     )
 
     @model_validator(mode="after")

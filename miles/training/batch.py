@@ -11,14 +11,15 @@ estimator over the whole batch's groups. The group filter (DAPO's dynamic sampli
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from miles.algo.advantages import AdvantageEstimator
 from miles.algo.filters import has_reward_variance
 from miles.algo.shaping import RewardShaper
 from miles.backends.base import TrainSample
-from miles.bus.schema import Trajectory
+from miles.bus.schema import Episode, Trajectory
+from miles.training.intake import fresh_loss_mask
 
 
 @dataclass(slots=True)
@@ -46,23 +47,32 @@ def group_rewards(traj: Trajectory, shaper: RewardShaper | None = None) -> list[
 
 
 def build_batch(
-    trajs: Sequence[Trajectory], advantages: AdvantageEstimator, shaper: RewardShaper | None = None
+    trajs: Sequence[Trajectory],
+    advantages: AdvantageEstimator,
+    shaper: RewardShaper | None = None,
+    fresh: Callable[[int], bool] | None = None,
 ) -> Batch:
-    """Training samples of the batch's trainable episodes, and what the batch looked like."""
+    """Training samples of the batch's trainable episodes, and what the batch looked like.
+
+    ``fresh`` (``staleness.stale_prefix: mask``): whether a version is within the staleness bound; a model token
+    of any other version is left out of the loss (counted in ``stale_tokens_masked``)."""
     groups = [t.trained_episodes for t in trajs]
     shaped = [group_rewards(t, shaper) for t in trajs]
     advs = advantages(shaped)
     samples: list[TrainSample] = []
+    masked = 0
     for group, group_adv in zip(groups, advs, strict=True):
         for ep, adv in zip(group, group_adv, strict=True):
+            loss_mask, version = _trained_tokens(ep, fresh)
+            masked += ep.num_model_tokens - sum(loss_mask)
             samples.append(
                 TrainSample(
                     prompt_ids=list(ep.prompt_ids),
                     token_ids=list(ep.token_ids),
-                    loss_mask=list(ep.loss_mask),
+                    loss_mask=loss_mask,
                     behaviour_logprobs=list(ep.logprobs),
                     advantage=float(adv),
-                    weight_version=ep.oldest_version,
+                    weight_version=version,
                 )
             )
     episodes = [e for t in trajs for e in t.episodes]
@@ -96,7 +106,18 @@ def build_batch(
         "env_s_mean": total("env_s") / len(episodes) if episodes else 0.0,
         "template_mismatches": total("template_mismatches"),
         "tokens": float(sum(len(e.token_ids) for e in episodes)),
+        "model_tokens": float(sum(e.num_model_tokens for e in episodes)),
+        "stale_tokens_masked": float(masked),
     }
     if shaper is not None and shaper.active:
         metrics["reward_shaped_mean"] = sum(flat_shaped) / len(flat_shaped) if flat_shaped else 0.0
     return Batch(samples, metrics)
+
+
+def _trained_tokens(ep: Episode, fresh: Callable[[int], bool] | None) -> tuple[list[int], int]:
+    """The loss mask an episode trains with, and the oldest version behind a trained token."""
+    if fresh is None or all(fresh(v) for _, v in ep.spans):
+        return list(ep.loss_mask), ep.oldest_version
+    loss_mask = fresh_loss_mask(ep.loss_mask, ep.token_versions(), fresh)
+    kept = [v for _, v in ep.spans if fresh(v)]
+    return loss_mask, min(kept, default=ep.newest_version)

@@ -347,3 +347,47 @@ def test_batch_shapes_rewards_before_the_advantages_and_the_filter_sees_the_same
     assert batch.metrics["groups_equal_rewards"] == 0.0
     plain = build_batch([traj], grpo)
     assert [s.advantage for s in plain.samples] == [0.0, 0.0] and plain.metrics["groups_equal_rewards"] == 1.0
+
+
+def test_masking_a_stale_prefix_trains_only_the_tokens_within_the_bound() -> None:
+    """``staleness.stale_prefix: mask``: an answer begun under version 1 and continued under 3 and 4, with only
+    versions >= 3 fresh, keeps every token in the sequence but trains the last ones only; the group's advantages
+    are those of its whole answers, and the sample's version is its oldest trained one."""
+    from miles.bus.schema import Episode, Trajectory
+    from miles.training.batch import build_batch
+    from miles.training.intake import fresh_loss_mask, judged_version
+
+    long = Episode(
+        prompt_ids=[1],
+        token_ids=[5, 6, 7, 8, 9, 10],
+        loss_mask=[1] * 6,
+        logprobs=[-0.5] * 6,
+        turns=[(0, 6, "model")],
+        weight_version=1,
+        version_spans=[(0, 1), (2, 3), (4, 4)],
+        reward=1.0,
+        status="ok",
+        end_reason="done",
+    )
+    traj = Trajectory(
+        group_id="g0",
+        sample_id="s0",
+        worker_id="w",
+        episodes=[long, _episode(2, 0.0)],
+        issued_at_version=0,
+        gen_s=0.0,
+    )
+    assert (traj.oldest_version, traj.newest_version) == (0, 4)
+    assert judged_version(traj.oldest_version, traj.newest_version, "discard") == 0
+    assert judged_version(traj.oldest_version, traj.newest_version, "mask") == 4
+    assert fresh_loss_mask([1, 0, 1, 1], [1, 3, 3, 4], lambda v: v >= 3) == [0, 0, 1, 1]
+
+    grpo = ADVANTAGES.build(AlgoConfig().advantage)
+    whole = build_batch([traj], grpo)
+    masked = build_batch([traj], grpo, fresh=lambda v: v >= 3)
+    assert [s.advantage for s in masked.samples] == [s.advantage for s in whole.samples]
+    assert masked.samples[0].token_ids == long.token_ids
+    assert masked.samples[0].loss_mask == [0, 0, 1, 1, 1, 1] and masked.samples[0].weight_version == 3
+    assert masked.samples[1].loss_mask == [0, 0]  # all of version 0: context only (aggregation clamps its length)
+    assert masked.metrics["stale_tokens_masked"] == 4.0 and whole.metrics["stale_tokens_masked"] == 0.0
+    assert masked.metrics["model_tokens"] == whole.metrics["model_tokens"] == 8.0

@@ -83,3 +83,31 @@ def test_cli_config_errors_exit_2_without_traceback(argv: list[str]) -> None:
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0, proc.stderr
+
+
+def test_every_problem_is_reported_at_once_with_renamed_keys_named(tmp_path: Path) -> None:
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("rollout:\n  groups_per_batch: 4\ntrainer:\n  eval_every: 10\n  lr: fast\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(recipe, ["trainer.steps=-1", "no_equals_sign"])
+    lines = str(exc.value).splitlines()
+    assert lines[0] == f"{recipe}: 5 problems:"
+    body = "\n".join(lines[1:])
+    assert "rollout.groups_per_batch: unknown key; renamed: use rollout.groups_in_flight" in body
+    assert "trainer.eval_every: unknown key; renamed: use eval.every" in body
+    assert "trainer.lr: Input should be a valid number" in body
+    assert "trainer.steps: Input should be greater than" in body
+    assert "override 'no_equals_sign' is not of the form dotted.key=value" in body
+
+
+def test_miles_run_lists_three_mistakes_with_exit_2_and_no_traceback(tmp_path: Path) -> None:
+    recipe = tmp_path / "three.yaml"
+    recipe.write_text("trainer:\n  stepz: 3\n  lr: fast\nrollout:\n  groups_per_batch: 2\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles.cli", "run", str(recipe)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "3 problems" in proc.stderr
+    for needle in ("trainer.stepz: unknown key", "trainer.lr:", "renamed: use rollout.groups_in_flight"):
+        assert needle in proc.stderr, proc.stderr
