@@ -653,7 +653,7 @@ class Worker:
             work = unpack(
                 msg.data, "eval_task",
                 {"eval_id": str, "version": int, "shard": int, "shards": int, "samples": list, "max_new_tokens": int},
-                {},
+                {"claim": ""},
             )  # fmt: skip
             check_version(work["version"], "version")
             self.verify(msg.subject, msg.data, msg.headers, "eval_task")
@@ -676,6 +676,7 @@ class Worker:
             result = pack(
                 "eval_shard_result", eval_id=work["eval_id"], shard=work["shard"], worker_id=self.worker_id,
                 version=self.held, samples=len(work["samples"]), reward_sum=reward_sum, failed=0, tokens=tokens,
+                claim=work["claim"],  # § the shard's claim, carried back: without it the result does not count
             )  # fmt: skip
             await self.js.publish(f"{self.s}.events.eval_results", result)
             await msg.ack()

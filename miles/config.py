@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field, Tag, ValidationError, field_validator, mo
 
 from miles.algo.config import AlgoConfig  # the RL objective's sections live next to their code
 from miles.bus.urls import split_urls
-from miles.config_base import Strict, variant
+from miles.config_base import REWARD_RANGE_DOC, RewardRange, Strict, TaskBase, variant
 from miles.models.families.config import FamilyModelConfig
 from miles.sandbox.config import SandboxConfig
 from miles.security.config import BusSecurityFields
@@ -74,7 +74,7 @@ ModelConfig = Annotated[
 # --------------------------------------------------------------------------- task
 
 
-class ArithmeticTaskConfig(Strict):
+class ArithmeticTaskConfig(TaskBase):
     """Built-in verifiable task: integer arithmetic with an exact-answer reward."""
 
     type: Literal["arithmetic"] = "arithmetic"
@@ -85,7 +85,7 @@ class ArithmeticTaskConfig(Strict):
     seed: int = Field(0, description="Seed of the problem generator.")
 
 
-class JsonlTaskConfig(Strict):
+class JsonlTaskConfig(TaskBase):
     """User task: JSONL files of prompts and a reward function given by import path."""
 
     type: Literal["jsonl"] = "jsonl"
@@ -94,9 +94,14 @@ class JsonlTaskConfig(Strict):
     reward: str = Field(description="Reward function 'package.module:function(completion, sample) -> float'.")
     prompt_field: str = Field("prompt", description="Row key holding the prompt text.")
     answer_field: str = Field("answer", description="Row key holding the reference answer.")
+    reward_range: RewardRange | None = Field(
+        None,
+        description=REWARD_RANGE_DOC + " Declare it when workers are not all trusted: a user's reward has no "
+        "known range.",
+    )
 
 
-class CopyTaskConfig(Strict):
+class CopyTaskConfig(TaskBase):
     """Built-in task with long-tailed generation lengths: copy a digit string ("3141=" -> "3141").
 
     String lengths follow a clipped log-normal, so most completions are a few tokens and a few are

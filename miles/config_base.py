@@ -6,13 +6,34 @@ families) and the config tree that assembles them (:mod:`miles.config`) import t
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Discriminator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, field_validator
+
+RewardRange = tuple[float, float]
+REWARD_RANGE_DOC = (
+    "[low, high] of every reward the task can give (an evaluation's accuracy is their mean). A reward outside it "
+    "fails its episode on the worker (reward_failed), and the trainer and the controller refuse trajectories and "
+    "evaluation shards outside it, from a dishonest worker too (docs/security.md). null: any finite number."
+)
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TaskBase(Strict):
+    """What every task variant declares besides its own fields."""
+
+    reward_range: RewardRange | None = Field((0.0, 1.0), description=REWARD_RANGE_DOC)
+
+    @field_validator("reward_range")
+    @classmethod
+    def _ordered(cls, value: RewardRange | None) -> RewardRange | None:
+        if value is not None and not (math.isfinite(value[0]) and math.isfinite(value[1]) and value[0] <= value[1]):
+            raise ValueError(f"{list(value)} is not [low, high] with finite low <= high")
+        return value
 
 
 def variant(default: str) -> Discriminator:

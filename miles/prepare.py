@@ -124,6 +124,7 @@ def _accuracy_fn(cfg: RunConfig, task: Any, renderer: Any, tokenizer: Any) -> Ca
         max_tokens=episode.max_tokens,
         timeout_s=episode.timeout_s,
         reward_timeout_s=episode.reward_timeout_s,
+        reward_range=cfg.task.reward_range,
         check_template=False,
     )
     params = SamplingParams(

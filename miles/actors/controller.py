@@ -142,15 +142,20 @@ class Controller(Actor):
         self.samples = {s.id: s for s in task.samples("train")}
         self.order = SampleOrder(self.samples, cfg.seed)
         held_out = task.samples("eval")[: cfg.eval.max_samples]
+        self.run_instance = await self.bus.claim_run_instance()
         self.evals = EvalCoordinator(
             self.bus,
             held_out,
             every=cfg.eval.every,
             shard_size=cfg.eval.shard_size,
             max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.sampling.max_new_tokens,
-            announced=lambda version: version in self.version_steps,
+            last_step=cfg.trainer.steps,
+            reward_range=cfg.task.reward_range,
+            step_of=self.version_steps.get,
+            # Claims are derived from the controller's signing key (on an open bus, where anyone may read and
+            # publish anything, from the run instance: it still tells this run's shards from an earlier run's).
+            claim_key=(self.bus.signer.key.seed if self.bus.signer is not None else self.run_instance).encode(),
         )
-        self.run_instance = await self.bus.claim_run_instance()
         await self._publish_run_info()
         # The data plane, read-only: an announced version is believed only if its payload is there.
         self.weights = await WeightStore.create(self.bus.js, self.bus.subjects.run, ensure=False)
@@ -600,6 +605,8 @@ class Controller(Actor):
         refusal = self.evals.refusal(message)
         if refusal is not None:
             await self._refuse(raw, f"eval_shard_result: {refusal}", replaying=replaying)
+            if not replaying:
+                await self.evals.reissue(message)
             return
         await self.evals.on_result(message)  # the last shard publishes the EvalResult, recorded from METRICS
 

@@ -10,13 +10,23 @@ re-sent shard (a controller restart, a redelivery) is recognised and counted onc
 
 After a controller restart the coordinator is rebuilt from the streams: completed evaluations from the
 EvalResults on METRICS (:meth:`EvalCoordinator.mark_completed`), shard results from EVENTS; a shard result of
-an evaluation this controller did not request itself is taken when its version was announced (the earlier
-life requested it), its shard sizes being a pure function of the held-out split and the shard size.
+an evaluation this controller did not request itself is taken when its version was announced at a step whose
+evaluation was due (the earlier life requested it), its shard sizes being a pure function of the held-out
+split and the shard size.
+
+What a shard result must be to count (a rollout identity is not trusted, docs/security.md): for an
+evaluation the controller requested, carrying the shard's *claim* (a token only the task's receivers learn,
+derived from the controller's key: a worker that did not take the shard, or a replay of an earlier run, cannot
+answer it), once, with a reward sum the task's ``reward_range`` allows. A refused result that carried the claim
+came from whoever took the shard, so the shard is issued again (at most ``MAX_REISSUES`` times) and the
+evaluation still completes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +40,8 @@ from miles.tasks.base import Sample
 
 log = structlog.get_logger(__name__)
 
+MAX_REISSUES = 3  # per shard: a thief of shards cannot make the controller publish without end
+
 
 @dataclass(slots=True)
 class _Pending:
@@ -39,6 +51,7 @@ class _Pending:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     result: EvalResult | None = None
     requested: bool = False  # shards published by this controller (not only restored from the streams)
+    reissued: dict[int, int] = field(default_factory=dict)  # shard -> times issued again after a refused result
 
 
 class EvalCoordinator:
@@ -52,10 +65,16 @@ class EvalCoordinator:
         every: int,
         shard_size: int,
         max_new_tokens: int,
-        announced: Callable[[int], bool] = lambda _: False,
+        claim_key: bytes,
+        last_step: int,
+        reward_range: tuple[float, float] | None = None,
+        step_of: Callable[[int], int | None] = lambda _: None,
     ) -> None:
         self.bus = bus
-        self.announced = announced  # whether a version was announced (an earlier life may have requested it)
+        self.step_of = step_of  # the step an announced version was published at (None: never announced)
+        self.last_step = last_step
+        self.reward_range = reward_range
+        self._claim_key = hashlib.sha256(b"miles.eval-claim\0" + claim_key).digest()
         self.samples = samples
         self.every = every
         self.shard_size = shard_size
@@ -65,6 +84,16 @@ class EvalCoordinator:
     def due(self, step: int, last_step: int) -> bool:
         """Evaluate the version of ``step``: the first, every ``every`` steps, and the last."""
         return step == 0 or step == last_step or (self.every > 0 and step % self.every == 0)
+
+    def requested_earlier(self, version: int) -> bool:
+        """Whether an earlier life of the controller requested an evaluation of ``version``: it was announced at
+        a step whose evaluation was due (the only evaluations a controller requests)."""
+        step = self.step_of(version)
+        return step is not None and self.due(step, self.last_step)
+
+    def claim(self, eval_id: str, shard: int) -> str:
+        """The shard's claim token: an HMAC under the controller's key, so a restarted controller derives the same."""
+        return hmac.new(self._claim_key, f"{eval_id}/{shard}".encode(), "sha256").hexdigest()[:32]
 
     def _chunks(self) -> list[list[Sample]]:
         return [self.samples[i : i + self.shard_size] for i in range(0, len(self.samples), self.shard_size)]
@@ -96,30 +125,58 @@ class EvalCoordinator:
         pending = self._restored(eval_id, version)
         pending.requested = True
         for shard, chunk in enumerate(chunks):
-            task = EvalTask(
-                eval_id=eval_id,
-                version=version,
-                shard=shard,
-                shards=len(chunks),
-                samples=[{"sample_id": s.id, "prompt": s.prompt, "answer": s.answer, "meta": s.meta} for s in chunk],
-                max_new_tokens=self.max_new_tokens,
-            )
-            # The message id makes a re-sent shard (a controller restarted mid-issue) a no-op in the stream.
-            await self.bus.publish(self.bus.subjects.evalq, task, msg_id=f"{eval_id}-{shard}")
+            await self._issue(eval_id, version, shard, chunks)
         log.info("eval_requested", eval_id=eval_id, version=version, shards=len(chunks), samples=len(self.samples))
         return eval_id
 
-    def refusal(self, result: EvalShardResult) -> str | None:
-        """Why ``result`` cannot be counted (None: it can): an evaluation never issued, a shard out of range
-        or counted already, another sample count than the shard's, a version older than requested, a sum
-        that is not finite."""
+    async def _issue(
+        self, eval_id: str, version: int, shard: int, chunks: list[list[Sample]], attempt: int = 0
+    ) -> None:
+        task = EvalTask(
+            eval_id=eval_id,
+            version=version,
+            shard=shard,
+            shards=len(chunks),
+            samples=[
+                {"sample_id": s.id, "prompt": s.prompt, "answer": s.answer, "meta": s.meta} for s in chunks[shard]
+            ],
+            max_new_tokens=self.max_new_tokens,
+            claim=self.claim(eval_id, shard),
+        )
+        # The message id makes a re-sent shard (a controller restarted mid-issue) a no-op in the stream.
+        suffix = f"-r{attempt}" if attempt else ""
+        await self.bus.publish(self.bus.subjects.evalq, task, msg_id=f"{eval_id}-{shard}{suffix}")
+
+    async def reissue(self, result: EvalShardResult) -> bool:
+        """Issue again a shard whose result was refused though it carried the claim (whoever took the shard
+        answered it with values that cannot be believed, so no one else will play it); False once the shard
+        was issued again ``MAX_REISSUES`` times or no longer waits for a result."""
         pending = self.pending.get(result.eval_id)
-        if pending is None and result.eval_id[1:].isdigit() and self.announced(int(result.eval_id[1:])):
-            pending = self._restored(result.eval_id, int(result.eval_id[1:]))  # requested by an earlier life
+        if pending is None or pending.done.is_set() or result.shard >= len(pending.sizes):
+            return False
+        if result.shard in pending.results or result.claim != self.claim(result.eval_id, result.shard):
+            return False
+        attempt = pending.reissued.get(result.shard, 0) + 1
+        if attempt > MAX_REISSUES:
+            return False
+        pending.reissued[result.shard] = attempt
+        await self._issue(result.eval_id, pending.version, result.shard, self._chunks(), attempt)
+        log.warning("eval_shard_reissued", eval_id=result.eval_id, shard=result.shard, attempt=attempt)
+        return True
+
+    def refusal(self, result: EvalShardResult) -> str | None:
+        """Why ``result`` cannot be counted (None: it can): an evaluation never requested, a shard out of range
+        or counted already, a claim that is not the shard's, another sample count than the shard's, a version
+        older than requested, a reward sum that is not finite or outside what the task's rewards can add up to."""
+        pending = self.pending.get(result.eval_id)
+        if pending is None and result.eval_id[1:].isdigit() and self.requested_earlier(int(result.eval_id[1:])):
+            pending = self._restored(result.eval_id, int(result.eval_id[1:]))
         if pending is None:
             return f"eval {result.eval_id!r} was never requested"
         if result.shard >= len(pending.sizes) or result.shard in pending.results:
             return f"shard {result.shard} of {result.eval_id} is out of range or counted already"
+        if not hmac.compare_digest(result.claim, self.claim(result.eval_id, result.shard)):
+            return f"shard {result.shard} of {result.eval_id}: not the shard's claim (its sender did not take it)"
         if result.samples != pending.sizes[result.shard] or result.failed > result.samples:
             expected = pending.sizes[result.shard]
             return f"shard {result.shard} of {result.eval_id} has {expected} samples, not {result.samples}"
@@ -127,6 +184,15 @@ class EvalCoordinator:
             return f"{result.eval_id} evaluated at version {result.version}, older than requested"
         if not math.isfinite(result.reward_sum):
             return "reward_sum is not finite"
+        if self.reward_range is not None:
+            scored = result.samples - result.failed  # a failed sample counts 0
+            low, high = (bound * scored for bound in self.reward_range)
+            slack = 1e-9 * max(1, scored) * max(1.0, *(abs(b) for b in self.reward_range))  # float summation
+            if not low - slack <= result.reward_sum <= high + slack:
+                return (
+                    f"reward_sum {result.reward_sum} of {scored} scored samples is outside what task.reward_range "
+                    f"{list(self.reward_range)} allows ([{low:g}, {high:g}])"
+                )
         return None
 
     async def on_result(self, result: EvalShardResult) -> EvalResult | None:

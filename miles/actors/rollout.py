@@ -131,6 +131,7 @@ class RolloutWorker(Actor):
             max_tokens=episode.max_tokens,
             timeout_s=episode.timeout_s,
             reward_timeout_s=episode.reward_timeout_s,
+            reward_range=cfg.task.reward_range,
             check_template=episode.check_template,
         )
         freeze_startup_heap()  # the engine's model and tokenizer: never walked by the collector again
@@ -334,11 +335,13 @@ class RolloutWorker(Actor):
                 reward_sum=outcome.reward_sum,
                 failed=outcome.failed + outcome.infra,
                 tokens=outcome.tokens,
+                claim=work.claim,
             )
             # One message id per shard: a shard played again (its ack lost in an outage, so redelivered) is
-            # dropped by the stream instead of reaching the controller as a second result, refused there.
-            msg_id = f"evalres-{work.eval_id}-{work.shard}"
-            await self.bus.publish(self.bus.subjects.eval_results, result, msg_id=msg_id)
+            # dropped by the stream instead of reaching the controller as a second result, refused there. The
+            # claim in it is what only the shard's receivers know, so nobody else can take the id first.
+            msg_id = f"evalres-{work.eval_id}-{work.shard}-{work.claim}"
+            await self.bus.publish(self.bus.subjects.eval_results, result, msg_id=msg_id, by_content=False)
             await msg.ack()
             self.stats.evals += 1
 

@@ -232,7 +232,12 @@ class TrainerLeader(Actor):
         if traj.issue_index >= self._issued:  # the window grows as the controller issues: look again
             self._issued = await self.bus.get_int(KEY_GROUPS_ISSUED, 0)
         refusal = trust.trajectory_refusal(
-            traj, ticket, vocab_size=self.vocab_size, issued=self._issued, newest=self.next_version - 1
+            traj,
+            ticket,
+            vocab_size=self.vocab_size,
+            issued=self._issued,
+            newest=self.next_version - 1,
+            reward_range=self.cfg.task.reward_range,
         )
         if refusal is None:
             return traj

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import secrets
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -33,14 +34,37 @@ from nats.js.kv import KeyValue
 
 from miles.bus.connect import close_client, connect
 from miles.bus.errors import BusError
-from miles.bus.retry import Outage, ack_or_redeliver, resilient_jetstream
+from miles.bus.retry import MSG_ID_HEADER, Outage, ack_or_redeliver, resilient_jetstream
 from miles.bus.schema import Message, SchemaError, decode, decode_any, encode
 from miles.bus.streams import ensure_run_streams
 from miles.bus.subjects import Subjects, kv_stream, kv_subject
 from miles.config import BusConfig
-from miles.security.signing import SIGNED_BY, SIGNERS, MessageSigner, MessageVerifier, SignatureError
+from miles.security.signing import (
+    SIGNATURE_HEADER,
+    SIGNED_BY,
+    SIGNERS,
+    MessageSigner,
+    MessageVerifier,
+    SignatureError,
+)
 
 log = structlog.get_logger(__name__)
+
+
+def bound_msg_id(base: str, run_instance: str, data: bytes, signature: str = "") -> str:
+    """``base`` plus a digest of the run instance, the payload and its signature, as the ``Nats-Msg-Id``.
+
+    The server drops a message whose id it stored within the duplicate window. A predictable id alone
+    (``step-v9``, ``g1856``) let anyone who may publish there (or a replay of an earlier run under the same
+    name) store a copy first and so suppress the genuine message. Bound to what only the genuine publisher
+    produces, a copy of another instance, other bytes or no valid signature gets another id; the same
+    message sent again (a retry, a restarted controller's re-issue) keeps its id and is stored once.
+    """
+    digest = hashlib.blake2b(digest_size=10)
+    for part in (run_instance.encode(), signature.encode(), data):
+        digest.update(len(part).to_bytes(8, "big"))
+        digest.update(part)
+    return f"{base}.{digest.hexdigest()}"
 
 
 async def messages_until(sub: Any, done: asyncio.Event, poll_s: float = 0.5) -> AsyncIterator[Msg]:
@@ -64,7 +88,7 @@ class Received(Protocol):
     """A message as read off the bus: a core or JetStream delivery (``Msg``) or a direct get."""
 
     subject: str
-    data: bytes
+    data: bytes | None  # None for an empty payload (nats-py's stored-message reads)
     headers: dict[str, str] | None
 
 
@@ -170,13 +194,23 @@ class Bus:
             return self.signer.headers(subject, data)
         return {}
 
-    async def publish(self, subject: str, msg: Message, *, msg_id: str | None = None) -> PubAck:
+    async def publish(
+        self, subject: str, msg: Message, *, msg_id: str | None = None, by_content: bool = True
+    ) -> PubAck:
         """Durable publish: returns once JetStream has stored the message. ``msg_id`` lets the server drop
-        a re-sent copy (its duplicate window)."""
+        a re-sent copy (its duplicate window).
+
+        The id sent is ``msg_id`` bound to the run instance and, with ``by_content``, to the bytes and their
+        signature (:func:`bound_msg_id`): a re-sent copy has the same id, while a replayed message of an
+        earlier run or a forgery cannot occupy the id of a genuine message still to come. Without
+        ``by_content`` the caller's id must already hold what a forger cannot know (an evaluation's claim)."""
         data = encode(msg)
         headers = self.sign(subject, msg, data)
         if msg_id is not None:
-            headers["Nats-Msg-Id"] = msg_id
+            signature = headers.get(SIGNATURE_HEADER, "") if by_content else ""
+            headers[MSG_ID_HEADER] = bound_msg_id(
+                msg_id, await self.run_instance() or "", data if by_content else b"", signature
+            )
         return await self.js.publish(subject, data, headers=headers or None)
 
     async def ack(self, msg: Msg) -> bool:
@@ -229,6 +263,7 @@ class Bus:
     async def refuse(self, received: Received, reason: str, *, category: str) -> None:
         """Refuse ``received``: park it unchanged on the dead-letter stream with ``reason``, count it under
         ``category``, and ack it if it was JetStream work (so it is not redelivered)."""
+        data = received.data or b""  # an empty payload arrives as None from a stored-message read
         self.dead_lettered += 1
         self.refused[category] += 1
         if self.on_refusal is not None:
@@ -241,7 +276,7 @@ class Bus:
             category=category,
             origin=received.subject,
             reason=reason,
-            size=len(received.data),
+            size=len(data),
             actor=self.actor_id,
         )
         headers = {
@@ -250,7 +285,7 @@ class Bus:
             "Miles-Category": category,
             "Miles-Actor": self.actor_id,
         }
-        await self.js.publish(self.subjects.dead_letter(self.role, received.subject), received.data, headers=headers)
+        await self.js.publish(self.subjects.dead_letter(self.role, received.subject), data, headers=headers)
         if isinstance(received, Msg) and received.reply.startswith("$JS.ACK."):
             # JetStream delivery: remove it from the work stream. A core request's reply subject is the asker's
             # inbox, where an "ack" would arrive as an empty answer (and spend a teacher's one reply).

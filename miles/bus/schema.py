@@ -229,6 +229,9 @@ class EvalTask(Message):
     shards: int = Field(ge=1)
     samples: list[dict[str, Any]] = Field(description="{sample_id, prompt, answer, meta} per held-out sample.")
     max_new_tokens: int = Field(ge=1)
+    claim: str = Field(
+        "", max_length=64, description="The shard's claim token: its result counts only if it carries it back."
+    )
 
 
 class EvalShardResult(Message):
@@ -243,6 +246,7 @@ class EvalShardResult(Message):
     reward_sum: FiniteFloat
     failed: Count = Field(0, description="Samples whose reward failed (scored 0, counted here).")
     tokens: Count = Field(0, description="Completion tokens generated.")
+    claim: str = Field("", max_length=64, description="The claim token of the EvalTask this answers.")
 
 
 # --------------------------------------------------------------------------- events
@@ -530,8 +534,11 @@ def encode(msg: Message) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
-def decode_any(data: bytes) -> Message:
-    """Decode a message of any known kind; raises :class:`SchemaError` on anything else."""
+def decode_any(data: bytes | None) -> Message:
+    """Decode a message of any known kind; raises :class:`SchemaError` on anything else (an empty payload,
+    which nats-py hands over as ``None`` from a stored-message read, included)."""
+    if not data:
+        raise SchemaError("empty payload")
     try:
         body = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated exception types
@@ -554,7 +561,7 @@ def decode_any(data: bytes) -> Message:
         raise SchemaError(f"{kind}: {loc}: {first['msg']}") from None
 
 
-def decode(data: bytes, cls: type[M]) -> M:
+def decode(data: bytes | None, cls: type[M]) -> M:
     """Decode a message that must be of kind ``cls``; raises :class:`SchemaError` otherwise."""
     msg = decode_any(data)
     if not isinstance(msg, cls):

@@ -7,7 +7,8 @@ limits: turns, total tokens, the model's context window, and wall-clock time (ge
 together; the reward gets its own budget). Failures are classified, never raised past the episode:
 
 * the environment (or its sandbox) raises :class:`~miles.rollout.env.InfraError` -> ``infra_error``;
-* the reward raises, returns None or a non-finite number -> ``reward_failed`` (logged with the sample id);
+* the reward raises, returns None, a non-finite number or one outside the task's ``reward_range`` ->
+  ``reward_failed`` (logged with the sample id);
 * any other exception from the environment's ``step`` -> the episode ends with ``env_error`` and is scored.
 
 Engine failures (:class:`~miles.engines.base.EngineError`) are not the episode's: they propagate and fail
@@ -40,6 +41,7 @@ class EpisodeLimits:
     timeout_s: float | None = None  # wall clock for turns and environment steps
     reward_timeout_s: float | None = None
     check_template: bool = True
+    reward_range: tuple[float, float] | None = None  # task.reward_range: what the trainer will believe
 
 
 @dataclass(slots=True)
@@ -197,6 +199,12 @@ async def _score(env: Environment, limits: EpisodeLimits, sample_id: str, error:
         return None, "reward_failed", why
     if not isinstance(value, numbers.Real) or not math.isfinite(value):
         why = f"reward returned {value!r}, not a finite number"
+        log.warning("reward_failed", sample=sample_id, error=why)
+        return None, "reward_failed", why
+    bounds = limits.reward_range
+    if bounds is not None and not bounds[0] <= value <= bounds[1]:
+        # The trainer would refuse it as a dishonest worker's: fail the sample here, where the cause is visible.
+        why = f"reward returned {value!r}, outside task.reward_range {list(bounds)}"
         log.warning("reward_failed", sample=sample_id, error=why)
         return None, "reward_failed", why
     return float(value), "ok", error

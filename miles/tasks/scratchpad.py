@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
-from miles.config_base import Strict
+from miles.config_base import TaskBase
 from miles.tasks.base import ExactMatchTask, Sample, first_answer
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 ANSWER_MARK = "#"
 
 
-class ScratchpadTaskConfig(Strict):
+class ScratchpadTaskConfig(TaskBase):
     """Addition whose completions may carry scratch work before ``#answer`` (docs/algorithms.md)."""
 
     type: Literal["scratchpad"] = "scratchpad"

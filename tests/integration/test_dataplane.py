@@ -158,6 +158,17 @@ async def test_purge_keeps_newest_versions(nc: Client) -> None:
     assert state.messages == 2 * (3 + 1)  # two versions of 3 chunks + a manifest each
 
 
+async def test_versions_above_the_one_put_do_not_purge_it(nc: Client) -> None:
+    """Versions 5-6 stored by someone else (an earlier run's stream replayed into this one): the writer's put of
+    version 1 keeps version 1, as it would in an empty store."""
+    store = await _store(nc, keep=2)
+    for version in (5, 6):
+        await store.put(version, b"an earlier run's weights")
+    await store.put(1, b"ours")
+    assert await store.get(1) == b"ours"
+    assert await store.versions() == [1, 5, 6]
+
+
 async def test_interrupted_put_is_invisible_then_purged(nc: Client) -> None:
     store = await _store(nc, keep=1)
     js = nc.jetstream()

@@ -59,6 +59,7 @@ async def _answer_evaluations(bus: Bus, stop: asyncio.Event) -> list[EvalTask]:
                 version=work.version,
                 samples=len(work.samples),
                 reward_sum=float(len(work.samples)),
+                claim=work.claim,
             )
             await bus.publish(s.eval_results, result)
             await msg.ack()

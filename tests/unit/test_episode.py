@@ -162,6 +162,16 @@ async def test_a_bad_reward_fails_the_sample_only(bad: Any) -> None:
     assert ep.status == "reward_failed" and ep.reward is None and "not a finite number" in ep.error
 
 
+async def test_a_reward_outside_the_tasks_range_fails_the_sample_on_the_worker() -> None:
+    """The trainer would refuse it as a dishonest worker's; the worker's own episode says why instead."""
+    tok = tiny.build_char_tokenizer()
+    limits = EpisodeLimits(reward_range=(0.0, 1.0))
+    ep = await play(_engine(tok), Renderer(tok, "chat"), ScriptedEnv(1, reward=2.5), PARAMS, limits)
+    assert ep.status == "reward_failed" and "outside task.reward_range [0.0, 1.0]" in ep.error
+    ok = await play(_engine(tok), Renderer(tok, "chat"), ScriptedEnv(1, reward=1.0), PARAMS, limits)
+    assert ok.status == "ok" and ok.reward == 1.0
+
+
 async def test_a_raising_reward_fails_the_sample_only() -> None:
     tok = tiny.build_char_tokenizer()
 

@@ -67,6 +67,9 @@ def test_wire_form_is_a_plain_msgpack_map() -> None:
 @pytest.mark.parametrize(
     ("payload", "needle"),
     [
+        (b"", "empty payload"),
+        (None, "empty payload"),  # nats-py's stored-message reads hand an empty payload over as None
+        (msgpack.packb({"schema": SCHEMA_VERSION, "kind": "trajectory"})[:-3], "not msgpack"),  # truncated
         (b"\xc1\xff garbage", "not msgpack"),
         (msgpack.packb([1, 2, 3]), "not a msgpack map"),
         (msgpack.packb({"schema": 99, "kind": "trajectory"}), "schema version 99"),
@@ -74,7 +77,7 @@ def test_wire_form_is_a_plain_msgpack_map() -> None:
         (msgpack.packb({"schema": SCHEMA_VERSION, "kind": "trajectory", "group_id": 1}), "trajectory:"),
     ],
 )
-def test_malformed_payloads_raise_schema_error(payload: bytes, needle: str) -> None:
+def test_malformed_payloads_raise_schema_error(payload: bytes | None, needle: str) -> None:
     with pytest.raises(SchemaError, match=needle):
         decode_any(payload)
 

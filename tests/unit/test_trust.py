@@ -77,7 +77,7 @@ def test_heartbeats_and_held_reports_are_checked_against_what_is_known() -> None
     assert "not a live" in trust.held_refusal(held, workers={"rollout-1"}, newest=3)
 
 
-def _traj(group: str, tokens: list[int], version: int = 0) -> Trajectory:
+def _traj(group: str, tokens: list[int], version: int = 0, reward: float = 1.0) -> Trajectory:
     episode = Episode(
         prompt_ids=[1],
         token_ids=tokens,
@@ -85,7 +85,7 @@ def _traj(group: str, tokens: list[int], version: int = 0) -> Trajectory:
         logprobs=[-0.1] * len(tokens),
         turns=[(0, len(tokens), "model")],
         weight_version=version,
-        reward=1.0,
+        reward=reward,
         status="ok",
         end_reason="done",
     )
@@ -102,3 +102,15 @@ def test_trajectories_must_answer_an_issued_group_with_real_tokens_and_versions(
     assert "ticket of g3" in trust.trajectory_refusal(_traj("g4", [5]), ticket, **kw)  # type: ignore[arg-type]
     assert "vocabulary" in trust.trajectory_refusal(_traj("g3", [5, 100]), ticket, **kw)  # type: ignore[arg-type]
     assert "never published" in trust.trajectory_refusal(_traj("g3", [5], version=9), ticket, **kw)  # type: ignore[arg-type]
+
+
+def test_a_reward_outside_the_tasks_range_is_refused() -> None:
+    """A 0/1 task cannot produce 1000: a worker that says so is not believed (a user's reward without a declared
+    range is only checked to be finite, by the schema)."""
+    kw = dict(vocab_size=100, issued=10, newest=5)
+    inflated = _traj("g3", [5], reward=1000.0)
+    why = trust.trajectory_refusal(inflated, None, reward_range=(0.0, 1.0), **kw)  # type: ignore[arg-type]
+    assert why is not None and "reward 1000.0 outside task.reward_range [0.0, 1.0]" in why
+    assert "outside" in trust.trajectory_refusal(_traj("g3", [5], reward=-0.5), None, reward_range=(0.0, 1.0), **kw)  # type: ignore[arg-type,operator]
+    assert trust.trajectory_refusal(_traj("g3", [5], reward=1.0), None, reward_range=(0.0, 1.0), **kw) is None  # type: ignore[arg-type]
+    assert trust.trajectory_refusal(inflated, None, reward_range=None, **kw) is None  # type: ignore[arg-type]

@@ -504,12 +504,22 @@ class WeightStore:
         found = await self.versions()
         return found[-1] if found else None
 
-    async def purge(self, keep: int | None = None) -> list[int]:
+    async def purge(self, keep: int | None = None, *, newest: int | None = None) -> list[int]:
         """Remove every version older than the newest ``keep`` (default ``keep_versions``) complete ones,
-        including interrupted puts; newer partial versions (a put in progress) are left alone."""
+        including interrupted puts; newer partial versions (a put in progress) are left alone.
+
+        ``newest``: the version the writer just put. Versions above it count for nothing: they are not the
+        writer's (versions only grow), and were they counted, messages replayed into the stream (an earlier
+        run's versions 4-6) would have the writer purge the version it had just put."""
         keep = self.keep_versions if keep is None else keep
         subjects = await self._subjects()
-        complete = sorted({v for s in subjects if s.endswith(".meta") and (v := _version_of(s)) is not None})
+        complete = sorted(
+            {
+                v
+                for s in subjects
+                if s.endswith(".meta") and (v := _version_of(s)) is not None and (newest is None or v <= newest)
+            }
+        )
         if len(complete) <= keep:
             return []
         oldest_kept = complete[-keep] if keep > 0 else complete[-1] + 1
@@ -618,7 +628,7 @@ class PayloadWriter:
             what = type(exc).__name__
             raise BusError(f"weight manifest of version {self.version} not acknowledged: {what}") from None
         elapsed = time.perf_counter() - self._started
-        purged = await store.purge()
+        purged = await store.purge(newest=self.version)
         log.info(
             "weights_put",
             version=self.version,

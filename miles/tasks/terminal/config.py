@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from miles.config_base import Strict
+from miles.config_base import Strict, TaskBase
 
 
 class BuiltinTerminalConfig(Strict):
@@ -40,7 +40,7 @@ class BuiltinTerminalConfig(Strict):
         return self
 
 
-class TerminalTaskConfig(Strict):
+class TerminalTaskConfig(TaskBase):
     """Terminal tasks played in a sandbox: Harbor folders (train_dir, eval_dir) or the built-in family."""
 
     type: Literal["terminal"] = "terminal"

@@ -1,0 +1,219 @@
+"""A dishonest rollout worker in a real, secured run: nothing it may publish crashes, fakes or suppresses.
+
+The attacker logs in with the run's own ``rollout`` credentials (the permissions every worker has, which is
+what a compromised or buggy worker holds) and, during the run:
+
+* publishes empty, truncated, garbage and large payloads on every subject a rollout identity may publish on;
+* takes every shard of the initial evaluation off the queue (it is the only worker then) and answers each with
+  a reward sum of 1000 per sample, carrying the shard's genuine claim;
+* sends shard results for evaluations nobody requested;
+* takes a genuine prompt group off the queue and answers it with a trajectory whose rewards are 1000.
+
+The run must complete every step with exit 0, nothing out of a 0/1 task's range in metrics.jsonl, evals.jsonl
+or summary.json, every refusal counted, the stolen shards issued again and the forged group played again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client
+
+from miles.bus.schema import Episode, EvalShardResult, EvalTask, PromptGroup, Trajectory, decode, encode
+from miles.bus.server import EmbeddedNats
+from miles.bus.setup import setup_run
+from miles.bus.subjects import Subjects
+from miles.security.bundle import RoleCredentials, server_config, write_bundle
+from miles.security.signing import SIGNATURE_HEADER
+from tests.integration.harness import Cluster, small_run_config
+
+RUN = "untrusted"
+S = Subjects(RUN)
+STEPS = 8
+SHARDS = 3  # 40 held-out samples in shards of 15
+
+
+@pytest.fixture
+def secured(tmp_path: Path) -> Iterator[tuple[EmbeddedNats, Path]]:
+    bundle = write_bundle(tmp_path / "auth", RUN)
+    with EmbeddedNats(tmp_path / "bus", extra_config=server_config(bundle)) as server:
+        yield server, bundle
+
+
+async def _connect(url: str, bundle: Path, role: str) -> Client:
+    nc = Client()
+    opts = RoleCredentials.load(bundle, role).nats_options()  # type: ignore[arg-type]
+    await nc.connect(servers=[url], allow_reconnect=False, name=f"attacker:{role}", **opts)
+    return nc
+
+
+async def _until(predicate, what: str, timeout_s: float = 180.0) -> None:  # noqa: ANN001
+    async with asyncio.timeout(timeout_s):
+        while not await predicate():
+            await asyncio.sleep(0.05)
+
+
+async def _steal_the_initial_evaluation(js, setup_js) -> list[EvalTask]:  # noqa: ANN001
+    """Take every shard of the first evaluation (no genuine worker runs yet) and answer it with 1000 per sample."""
+    evalq = await js.pull_subscribe_bind(durable=S.ROLLOUT_EVAL_CONSUMER, stream=f"{RUN}_EVALQ")
+    stolen: list[EvalTask] = []
+    async with asyncio.timeout(180):
+        while len(stolen) < SHARDS:
+            try:
+                msgs = await evalq.fetch(SHARDS - len(stolen), timeout=5)
+            except asyncio.TimeoutError:
+                continue
+            for msg in msgs:
+                task = decode(msg.data, EvalTask)
+                assert task.claim, "eval tasks carry a claim"
+                forged = EvalShardResult(
+                    eval_id=task.eval_id,
+                    shard=task.shard,
+                    worker_id="rollout-0",
+                    version=task.version,
+                    samples=len(task.samples),
+                    reward_sum=1000.0 * len(task.samples),
+                    claim=task.claim,
+                )
+                await js.publish(S.eval_results, encode(forged))
+                await msg.ack()
+                stolen.append(task)
+    return stolen
+
+
+async def _garbage_everywhere(nc: Client, js) -> int:  # noqa: ANN001
+    """Empty, truncated, garbage and large payloads on every subject rollout may publish; returns how many of them
+    reach a reader that must refuse them (the controller or the trainer)."""
+    good = encode(EvalShardResult(eval_id="v0", shard=0, worker_id="w", version=0, samples=1, reward_sum=0.0))
+    payloads = [b"", good[:-4], b"\xc1 not msgpack", b"\x93" + b"\x01" * 700_000]
+    read = 0
+    for subject in (S.traj, S.weights_held, S.eval_results):
+        for data in payloads:
+            await js.publish(subject, data)
+            read += 1
+    for data in payloads[:3]:
+        await nc.publish(S.heartbeat("rollout", "rollout-9"), data)
+        read += 1
+        await js.publish(S.dead_letter("rollout", S.traj), data)  # nobody reads these: not counted
+    # Results of evaluations nobody requested: a version never announced, and a made-up eval id.
+    for eval_id in ("v999", "bogus"):
+        forged = EvalShardResult(
+            eval_id=eval_id, shard=0, worker_id="rollout-0", version=0, samples=15, reward_sum=15_000.0, claim="0" * 32
+        )
+        await js.publish(S.eval_results, encode(forged))
+    await nc.flush()
+    return read
+
+
+async def _forge_a_trajectory(js, prompts_fetch: asyncio.Task) -> str:  # noqa: ANN001
+    """Answer the genuine prompt group the attacker's pull got with rewards of 1000 (its genuine ticket)."""
+    (msg,) = await prompts_fetch
+    group = decode(msg.data, PromptGroup)
+    episode = Episode(
+        prompt_ids=[1, 2],
+        token_ids=[5, 6],
+        loss_mask=[1, 1],
+        logprobs=[-0.5, -0.5],
+        turns=[(0, 2, "model")],
+        weight_version=0,
+        reward=1000.0,
+        status="ok",
+        end_reason="done",
+    )
+    traj = Trajectory(
+        group_id=group.group_id,
+        sample_id=group.sample_id,
+        worker_id="rollout-0",
+        episodes=[episode] * group.group_size,
+        issued_at_version=group.issued_at_version,
+        gen_s=0.1,
+        ticket=msg.data,
+        ticket_signature=(msg.headers or {}).get(SIGNATURE_HEADER, ""),
+    )
+    await js.publish(S.traj, encode(traj))
+    await msg.ack()
+    return group.group_id
+
+
+async def _attack(cluster: Cluster, url: str, bundle: Path) -> dict[str, object]:
+    nc = await _connect(url, bundle, "rollout")
+    setup = await _connect(url, bundle, "setup")  # only to watch the prompt queue's waiting pulls
+    try:
+        js, setup_js = nc.jetstream(timeout=10.0), setup.jetstream(timeout=10.0)
+        stolen = await _steal_the_initial_evaluation(js, setup_js)
+        sent = await _garbage_everywhere(nc, js)
+        prompts = await js.pull_subscribe_bind(durable=S.ROLLOUT_CONSUMER, stream=S.prompts_stream)
+        fetch = asyncio.create_task(prompts.fetch(1, timeout=240))
+
+        async def pull_waiting() -> bool:
+            info = await setup_js.consumer_info(S.prompts_stream, S.ROLLOUT_CONSUMER)
+            return (info.num_waiting or 0) >= 1
+
+        await _until(pull_waiting, "the attacker's pull to wait on the prompt queue")
+        # Now the genuine workers: they play the re-issued evaluation shards; the first prompt goes to the attacker.
+        for i in range(2):
+            cluster.start(f"rollout-{i}", "rollout")
+        forged_group = await _forge_a_trajectory(js, fetch)
+        return {"stolen": stolen, "garbage": sent, "forged_group": forged_group}
+    finally:
+        await nc.close()
+        await setup.close()
+
+
+@pytest.mark.slow
+def test_a_dishonest_rollout_identity_cannot_crash_fake_or_suppress_anything(
+    tmp_path: Path, secured: tuple[EmbeddedNats, Path], model_cache: Path
+) -> None:
+    server, bundle = secured
+    cfg = small_run_config(
+        model_cache,
+        RUN,
+        **{"trainer.steps": STEPS, "eval.every": 4, "eval.shard_size": 15, "bus.credentials_dir": str(bundle)},
+    )
+    assert cfg.task.reward_range == (0.0, 1.0)
+    asyncio.run(setup_run(cfg.bus, server.url, RUN))
+    from miles.prepare import prepare
+
+    prepare(cfg)
+    cluster = Cluster(cfg, tmp_path / "run", server.url)
+    cluster.start("controller", "controller")
+    cluster.start_trainer()
+    try:
+        facts = asyncio.run(_attack(cluster, server.url, bundle))
+        cluster.wait_for(lambda: (cluster.run_dir / "summary.json").exists(), 300, "the run to complete")
+        cluster.wait_all_exit(60)
+    finally:
+        cluster.stop()
+    for name, proc in cluster.procs.items():
+        assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{cluster.log(name)[-3000:]}"
+    summary = cluster.summary()
+    assert summary["status"] == "complete" and summary["steps"] == STEPS
+
+    def in_range(value: object) -> bool:
+        return isinstance(value, int | float) and math.isfinite(value) and 0.0 <= value <= 1.0
+
+    rows = [json.loads(line) for line in (cluster.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert all(in_range(r["reward_mean"]) for r in rows), [r["reward_mean"] for r in rows]
+    evals = [json.loads(line) for line in (cluster.run_dir / "evals.jsonl").read_text().splitlines()]
+    assert {e["step"] for e in evals} == {0, 4, STEPS}  # the stolen initial evaluation completed after all
+    assert all(in_range(e["eval_accuracy"]) for e in evals), evals
+    assert in_range(summary["eval_before"]) and in_range(summary["eval_after"])
+    # The stolen shards were refused and issued again; the forged group was refused, issued again and trained.
+    controller_log = cluster.log("controller")
+    assert controller_log.count('"eval_shard_reissued"') >= SHARDS
+    ledger = cluster.ledger()
+    forged = facts["forged_group"]
+    assert any(e["group_id"] == forged and e["event"] == "requeued" and e["reason"] == "invalid" for e in ledger)
+    trained = [e for e in ledger if e["event"] == "trained"]
+    assert forged not in {e["group_id"] for e in trained}
+    assert len(trained) == STEPS * cfg.trainer.groups_per_step
+    # Every refusal counted: the garbage each reader got, and the values out of range or unrequested.
+    refused = summary["refused"]
+    assert refused.get("malformed", 0) >= facts["garbage"], refused
+    assert refused.get("untrusted", 0) >= SHARDS + 2 + 1, refused  # stolen shards, unrequested evals, trajectory
