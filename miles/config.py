@@ -394,6 +394,26 @@ class LoraConfig(Strict):
     )
 
 
+class AuditConfig(Strict):
+    """The reward audit (docs/security.md): the trainer re-scores a random share of trajectories itself."""
+
+    rate: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of trajectories whose rewards the trainer recomputes with the task's own reward, drawn "
+        "at random (0: off). Single-turn text tasks only. A worker lying on n trajectories is caught with "
+        "probability 1 - (1 - rate)^n.",
+    )
+    tolerance: float = Field(1e-6, ge=0, description="Largest difference between a worker's reward and the task's.")
+    exclude_after: int = Field(
+        1,
+        ge=1,
+        description="Disagreeing trajectories after which a worker is no longer believed (all it sends is "
+        "refused and re-issued).",
+    )
+
+
 class TrainerConfig(Strict):
     backend: BackendConfig = Field(default_factory=FsdpBackendConfig, description="Training backend.")
     ranks: int = Field(1, ge=1, description="Trainer ranks `miles run` starts (data-parallel for fsdp).")
@@ -423,6 +443,7 @@ class TrainerConfig(Strict):
         True, description="Write checkpoints in the background while training goes on (torch.distributed async save)."
     )
     seed: int = Field(0, description="Seed of model init and sampling in the trainer.")
+    audit: AuditConfig = Field(default_factory=AuditConfig, description="Re-score workers' rewards (untrusted ones).")
 
 
 # --------------------------------------------------------------------------- staleness / sync / bus
@@ -605,6 +626,11 @@ class RunConfig(Strict):
                     "rollout.sampling.top_p < 1 with rollout.engine.type 'vllm': vLLM reports log-probs after the "
                     "top-p cut, not the behaviour log-probs the off-policy corrections need; keep top_p at 1"
                 )
+        if self.trainer.audit.rate > 0 and self.task.type == "terminal":
+            raise ValueError(
+                "trainer.audit.rate > 0 re-scores single-turn text tasks; a terminal task's reward comes from a "
+                "sandbox the trainer does not replay"
+            )
         return self
 
 

@@ -84,12 +84,15 @@ class Actor(ABC):
         """Current state for the heartbeat; subclasses add version and stats."""
         return Heartbeat(role=self.role, actor_id=self.actor_id)
 
+    async def beat(self) -> None:
+        """Send a heartbeat now (its counts are what the run summary reports for this actor)."""
+        with contextlib.suppress(Exception):  # a missed heartbeat is not worth dying for
+            await self.bus.emit(self.bus.subjects.heartbeat(self.role, self.actor_id), self.heartbeat())
+
     async def _heartbeat_loop(self) -> None:
-        subject = self.bus.subjects.heartbeat(self.role, self.actor_id)
         while not self._finished.is_set():
             self._beat_now.clear()
-            with contextlib.suppress(Exception):  # a missed heartbeat is not worth dying for
-                await self.bus.emit(subject, self.heartbeat())
+            await self.beat()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(first_of(self._finished, self._beat_now), timeout=self.cfg.bus.heartbeat_s)
 

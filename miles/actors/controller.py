@@ -63,6 +63,7 @@ from miles.bus.schema import (
 from miles.failpoints import failpoint
 from miles.security.signing import SignatureError
 from miles.sync.transport.dataplane import WeightStore
+from miles.training.audit import reward_audit_alarm
 
 __all__ = ["AdmissionState", "Controller", "admission_limit"]
 
@@ -689,11 +690,20 @@ class Controller(Actor):
             )
         if self.audit.mismatches:
             alarms.append(f"{self.audit.mismatches} held-weight reports did not match the announced weights")
+        trainers = [hb.stats for hb in self.peers.values() if hb.role == "trainer"]
+        if trainers and (alarm := reward_audit_alarm(trainers[0])):
+            alarms.append(alarm)
         return {
             "dead_lettered": sum(int(st.get("dead_lettered", 0)) for st in reports.values()),
             "refused": dict(sorted(by_category.items())),
             "alarms": alarms,
         }
+
+    def _reward_audit(self) -> dict[str, int]:
+        """The trainer's reward audit counts (trainer.audit), from its latest heartbeat; zeros when off."""
+        stats = next((hb.stats for hb in self.peers.values() if hb.role == "trainer"), {})
+        keys = ("audited", "audit_mismatches", "audit_excluded_workers", "audit_refused_excluded")
+        return {key.removeprefix("audit_"): int(stats.get(key, 0)) for key in keys}
 
     async def _finish(self, trainer_done: TrainerDone, done: asyncio.Event) -> None:
         """Evaluate the final version, write the summary, stop every actor."""
@@ -725,6 +735,7 @@ class Controller(Actor):
             trajectories_duplicate=sum(
                 int(hb.stats.get("duplicates", 0)) for hb in self.peers.values() if hb.role == "trainer"
             ),
+            reward_audit=self._reward_audit(),
             workers={k: hb.version for k, hb in self.workers.items()},
             # Bytes each published version put on the bus, per sync mode (a delta run also has full anchors).
             sync_bytes={

@@ -46,6 +46,7 @@ from miles.failpoints import failpoint
 from miles.security.signing import SIGNATURE_HEADER, SIGNER_HEADER, SignatureError
 from miles.sync.publisher import Lineage
 from miles.sync.sender import WeightSender, build_sender
+from miles.training.audit import RewardAudit
 from miles.training.batch import build_batch, group_rewards
 from miles.training.intake import classify, judged_version
 from miles.training.lineage import IndexSet, VersionLineage
@@ -76,6 +77,7 @@ class TrainerLeader(Actor):
         # step, so every resolved trajectory's failures are counted once, trained or not.
         self._discarded_failures = {"reward_failed": 0.0, "infra_excluded": 0.0, "groups_filtered": 0.0}
         self._last_checkpoint_step = 0
+        self.audit: RewardAudit | None = None  # trainer.audit: built at start (it loads the task and tokenizer)
 
     def heartbeat(self) -> Heartbeat:
         stats = {
@@ -83,6 +85,7 @@ class TrainerLeader(Actor):
             "trained_groups": float(len(self.resolved)),
             **self.bus.refusal_stats(),
             **{k: float(v) for k, v in self.counts.items()},
+            **(self.audit.stats() if self.audit is not None else {}),
         }
         return Heartbeat(role=self.role, actor_id=self.actor_id, version=self.lineage.version, stats=stats)
 
@@ -93,6 +96,7 @@ class TrainerLeader(Actor):
 
         cfg = self.cfg
         self.vocab_size = vocab_size(prepared_model_dir(cfg.model, cfg.task))
+        self.audit = await asyncio.to_thread(self._build_audit) if cfg.trainer.audit.rate > 0 else None
         self._issued = 0  # the controller's issue window (state bucket), read again when a group lies past it
         self.weights = await build_sender(cfg, self.bus, self.ranks, self.run_dir, self.log)
         await self._recover()
@@ -116,6 +120,7 @@ class TrainerLeader(Actor):
             await self.ranks.call("save_checkpoint", self.lineage.step, self._checkpoint_extra())
         await self.ranks.call("close")
         if self.lineage.step >= cfg.trainer.steps:
+            await self.beat()  # the final counts first: the controller writes the summary from them
             done = TrainerDone(policy_version=self.lineage.version, steps=self.lineage.step)
             await self.bus.publish(self.bus.subjects.done, done)
             self.log.info("trainer_done", version=self.lineage.version, steps=self.lineage.step)
@@ -131,6 +136,8 @@ class TrainerLeader(Actor):
             self.lineage = VersionLineage.from_json(extra["lineage"], self.lineage.keep_steps)
             self.resolved = IndexSet.from_json(extra["resolved"])
             self.events_seq = int(extra["events_seq"])
+            if self.audit is not None:
+                self.audit.excluded.update(extra.get("audit_excluded", []))
             self._last_checkpoint_step = checkpoint_step
             self.log.info("trainer_resumed", step=checkpoint_step, version=checkpoint_version)
         history = await read_history(self.bus, self.events_seq)
@@ -239,12 +246,36 @@ class TrainerLeader(Actor):
             newest=self.next_version - 1,
             reward_range=self.cfg.task.reward_range,
         )
+        if refusal is None and self.audit is not None:
+            refusal = await self.audit.refusal(traj, ticket)
         if refusal is None:
             return traj
         await self.bus.refuse(m, f"trajectory: {refusal}", category="untrusted")
         if traj.issue_index < self._issued and ticket is not None and traj.issue_index not in self.resolved:
             await self._discard(None, traj, "invalid", requeue=True)
         return None
+
+    def _build_audit(self) -> RewardAudit:
+        """The reward audit over the task's own reward and the run's tokenizer (blocking: loads both)."""
+        from miles.models.loading import load_tokenizer, prepared_model_dir
+        from miles.tasks.base import TextTask
+        from miles.tasks.registry import build_task
+
+        cfg = self.cfg
+        task = build_task(cfg.task, sandbox=cfg.rollout.sandbox)
+        if not isinstance(task, TextTask):
+            raise ValueError(
+                f"trainer.audit: task.type {cfg.task.type!r} has no reward(completion, sample) to re-score"
+            )
+        tokenizer = load_tokenizer(prepared_model_dir(cfg.model, cfg.task))
+        audit = cfg.trainer.audit
+        return RewardAudit(
+            task,
+            lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),  # as Renderer.decode on the worker
+            audit.rate,
+            tolerance=audit.tolerance,
+            exclude_after=audit.exclude_after,
+        )
 
     def _ticket(self, traj: Trajectory) -> PromptGroup | None:
         """The prompt group ``traj`` answers, as issued: required and verified when the run signs."""
@@ -368,4 +399,6 @@ class TrainerLeader(Actor):
             "events_seq": self.events_seq,
             "resolved": self.resolved.to_json(),
             "lineage": self.lineage.to_json(),
+            # workers the reward audit stopped believing stay excluded after a restart
+            "audit_excluded": sorted(self.audit.excluded) if self.audit is not None else [],
         }

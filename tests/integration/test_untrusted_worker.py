@@ -28,6 +28,7 @@ from miles.bus.schema import Episode, EvalShardResult, EvalTask, PromptGroup, Tr
 from miles.bus.server import EmbeddedNats
 from miles.bus.setup import setup_run
 from miles.bus.subjects import Subjects
+from miles.config import RunConfig
 from miles.security.bundle import RoleCredentials, server_config, write_bundle
 from miles.security.signing import SIGNATURE_HEADER
 from tests.integration.harness import Cluster, small_run_config
@@ -217,3 +218,108 @@ def test_a_dishonest_rollout_identity_cannot_crash_fake_or_suppress_anything(
     refused = summary["refused"]
     assert refused.get("malformed", 0) >= facts["garbage"], refused
     assert refused.get("untrusted", 0) >= SHARDS + 2 + 1, refused  # stolen shards, unrequested evals, trajectory
+
+
+async def _lie_on_every_second_trajectory(url: str, bundle: Path, cfg: RunConfig, done: asyncio.Event) -> list[bool]:
+    """A worker of its own ("rollout-evil") that answers prompt groups with a wrong answer, scored honestly on
+    its 1st, 3rd, ... trajectory and inflated (1 - the task's reward, still in range) on its 2nd, 4th, ...;
+    returns whether each trajectory it sent lied."""
+    from miles.models.loading import load_tokenizer, prepared_model_dir
+    from miles.tasks.base import Sample
+    from miles.tasks.registry import build_task
+
+    task = build_task(cfg.task)
+    tokenizer = load_tokenizer(prepared_model_dir(cfg.model, cfg.task))
+    nc = await _connect(url, bundle, "rollout")
+    sent: list[bool] = []
+    try:
+        js = nc.jetstream(timeout=10.0)
+        prompts = await js.pull_subscribe_bind(durable=S.ROLLOUT_CONSUMER, stream=S.prompts_stream)
+        while not done.is_set() and len(sent) < 4:  # early in the run: the trainer reads all four
+            try:
+                (msg,) = await prompts.fetch(1, timeout=0.5)
+            except asyncio.TimeoutError:
+                continue
+            group = decode(msg.data, PromptGroup)
+            ids = tokenizer.encode("99", add_special_tokens=False)
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            sample = Sample(id=group.sample_id, prompt=group.prompt, answer=group.answer, meta=group.meta)
+            true = float(task.reward(text, sample))  # type: ignore[attr-defined]
+            lie = len(sent) % 2 == 1
+            episode = Episode(
+                prompt_ids=tokenizer.encode(group.prompt, add_special_tokens=False) or [1],
+                token_ids=ids,
+                loss_mask=[1] * len(ids),
+                logprobs=[-0.5] * len(ids),
+                turns=[(0, len(ids), "model")],
+                weight_version=group.issued_at_version,
+                reward=1.0 - true if lie else true,
+                status="ok",
+                end_reason="done",
+            )
+            traj = Trajectory(
+                group_id=group.group_id,
+                sample_id=group.sample_id,
+                worker_id="rollout-evil",
+                episodes=[episode] * group.group_size,
+                issued_at_version=group.issued_at_version,
+                gen_s=0.1,
+                ticket=msg.data,
+                ticket_signature=(msg.headers or {}).get(SIGNATURE_HEADER, ""),
+            )
+            await js.publish(S.traj, encode(traj))
+            await msg.ack()
+            sent.append(lie)
+    finally:
+        await nc.close()
+    return sent
+
+
+@pytest.mark.slow
+def test_the_reward_audit_excludes_a_worker_that_inflates_rewards(
+    tmp_path: Path, secured: tuple[EmbeddedNats, Path], model_cache: Path
+) -> None:
+    """Every trajectory re-scored (rate 1): the two honest workers' rewards all agree with the task's; the lying
+    worker is caught on its first lie and excluded; everything it sends afterwards is refused and re-issued."""
+    server, bundle = secured
+    cfg = small_run_config(
+        model_cache,
+        RUN,
+        **{"trainer.steps": 10, "eval.every": 0, "bus.credentials_dir": str(bundle), "trainer.audit.rate": 1.0},
+    )
+    asyncio.run(setup_run(cfg.bus, server.url, RUN))
+    from miles.prepare import prepare
+
+    prepare(cfg)
+    cluster = Cluster(cfg, tmp_path / "run", server.url)
+
+    async def attack_during_the_run() -> list[bool]:
+        done = asyncio.Event()
+        liar = asyncio.create_task(_lie_on_every_second_trajectory(server.url, bundle, cfg, done))
+        cluster.start_all()
+        summary = cluster.run_dir / "summary.json"
+        async with asyncio.timeout(300):
+            while not summary.exists() and not liar.done():
+                await asyncio.sleep(0.2)
+        done.set()
+        return await liar
+
+    try:
+        sent = asyncio.run(attack_during_the_run())
+        cluster.wait_for(lambda: (cluster.run_dir / "summary.json").exists(), 300, "the run to complete")
+        cluster.wait_all_exit(60)
+    finally:
+        cluster.stop()
+    for name, proc in cluster.procs.items():
+        assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{cluster.log(name)[-3000:]}"
+    summary = cluster.summary()
+    assert summary["status"] == "complete" and summary["steps"] == 10
+    assert sent == [False, True, False, True], sent  # honest, lie, honest, lie
+    audit = summary["reward_audit"]
+    # Every trajectory was re-scored; only the liar's disagreed (the honest workers' rewards all matched).
+    assert audit["audited"] >= 10 * cfg.trainer.groups_per_step
+    assert audit["mismatches"] == 1 and audit["excluded_workers"] == 1, audit
+    assert audit["refused_excluded"] == 2, (audit, sent)  # everything it sent after its first lie
+    assert any("reward audit" in alarm for alarm in summary["alarms"]), summary["alarms"]
+    excluded = [json.loads(x) for x in cluster.log("trainer-0").splitlines() if '"audit_worker_excluded"' in x]
+    assert [e["worker"] for e in excluded] == ["rollout-evil"]

@@ -1,0 +1,65 @@
+"""The reward audit's rules: what it re-scores, when it refuses, whom it stops believing."""
+
+from __future__ import annotations
+
+from miles.bus.schema import Episode, PromptGroup, Trajectory
+from miles.config import ArithmeticTaskConfig
+from miles.models.tiny import build_char_tokenizer
+from miles.tasks.arithmetic import ArithmeticTask
+from miles.training.audit import RewardAudit, completion_text, reward_audit_alarm
+
+TOKENIZER = build_char_tokenizer()
+TASK = ArithmeticTask(ArithmeticTaskConfig())
+SAMPLE = TASK.samples("train")[0]
+TICKET = PromptGroup(
+    group_id="g0", sample_id=SAMPLE.id, prompt=SAMPLE.prompt, answer=SAMPLE.answer, group_size=2, issue_index=0,
+    issued_at_version=0,
+)  # fmt: skip
+
+
+def _decode(ids: object) -> str:
+    return TOKENIZER.decode(list(ids), skip_special_tokens=True)  # type: ignore[call-overload]
+
+
+def _episode(answer: str, reward: float, end: str = "done") -> Episode:
+    ids = TOKENIZER.encode(answer, add_special_tokens=False) + [TOKENIZER.eos_token_id]
+    return Episode(
+        prompt_ids=[1], token_ids=ids, loss_mask=[1] * len(ids), logprobs=[-0.5] * len(ids),
+        turns=[(0, len(ids), "model")], weight_version=0, reward=reward, status="ok", end_reason=end,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def _traj(worker: str, *episodes: Episode) -> Trajectory:
+    return Trajectory(
+        group_id="g0", sample_id=SAMPLE.id, worker_id=worker, episodes=list(episodes), issued_at_version=0, gen_s=0.0
+    )
+
+
+def test_the_completion_is_the_model_turn_as_the_worker_decoded_it() -> None:
+    assert completion_text(_episode(SAMPLE.answer, 1.0), _decode) == SAMPLE.answer  # <eos> dropped
+    assert completion_text(_episode(SAMPLE.answer, 0.0, end="context_full"), _decode) == ""  # never stepped
+
+
+async def test_a_lie_is_refused_and_its_worker_excluded_an_honest_worker_is_not() -> None:
+    audit = RewardAudit(TASK, _decode, rate=1.0)
+    honest = _traj("w1", _episode(SAMPLE.answer, 1.0), _episode("99999", 0.0))
+    assert await audit.refusal(honest, TICKET) is None
+    lie = _traj("w2", _episode(SAMPLE.answer, 1.0), _episode("99999", 1.0))
+    why = await audit.refusal(lie, TICKET)
+    assert why is not None and "episode 1: reward 1.0, the task gives 0.0" in why
+    assert audit.excluded == {"w2"} and reward_audit_alarm(audit.stats()) is not None
+    assert "excluded" in (await audit.refusal(_traj("w2", _episode(SAMPLE.answer, 1.0)), TICKET) or "")
+    assert await audit.refusal(honest, TICKET) is None
+    assert audit.stats() == {
+        "audited": 3.0, "audit_mismatches": 1.0, "audit_excluded_workers": 1.0, "audit_refused_excluded": 1.0
+    }  # fmt: skip
+
+
+async def test_only_the_drawn_share_is_re_scored_and_exclusion_can_wait_for_more_lies() -> None:
+    draws = iter([0.9, 0.1, 0.1, 0.1])  # rate 0.5: the first is not audited, the rest are
+    audit = RewardAudit(TASK, _decode, rate=0.5, exclude_after=2, draw=lambda: next(draws))
+    lie = _traj("w", _episode("99999", 1.0))
+    assert await audit.refusal(lie, TICKET) is None  # not drawn: believed
+    assert await audit.refusal(lie, TICKET) is not None and audit.excluded == set()  # one lie of two allowed
+    assert await audit.refusal(lie, TICKET) is not None and audit.excluded == {"w"}
+    assert audit.audited == 2 and reward_audit_alarm({}) is None
