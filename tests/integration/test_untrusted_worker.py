@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from miles.bus.schema import Episode, EvalShardResult, EvalTask, PromptGroup, Trajectory, decode, encode
 from miles.bus.server import EmbeddedNats
@@ -111,25 +112,24 @@ async def _garbage_everywhere(nc: Client, js) -> int:  # noqa: ANN001
     return read
 
 
-async def _forge_a_trajectory(js, prompts_fetch: asyncio.Task) -> str:  # noqa: ANN001
-    """Answer the genuine prompt group the attacker's pull got with rewards of 1000 (its genuine ticket)."""
-    (msg,) = await prompts_fetch
-    group = decode(msg.data, PromptGroup)
+async def _answer(js, msg: Msg, group: PromptGroup, ids: list[int], *, reward: float, worker_id: str) -> None:  # noqa: ANN001
+    """Publish a trajectory for the pulled prompt group (its genuine ticket): every episode ``ids`` scored
+    ``reward``; then ack the prompt, as a worker does."""
     episode = Episode(
         prompt_ids=[1, 2],
-        token_ids=[5, 6],
-        loss_mask=[1, 1],
-        logprobs=[-0.5, -0.5],
-        turns=[(0, 2, "model")],
-        weight_version=0,
-        reward=1000.0,
+        token_ids=ids,
+        loss_mask=[1] * len(ids),
+        logprobs=[-0.5] * len(ids),
+        turns=[(0, len(ids), "model")],
+        weight_version=group.issued_at_version,
+        reward=reward,
         status="ok",
         end_reason="done",
     )
     traj = Trajectory(
         group_id=group.group_id,
         sample_id=group.sample_id,
-        worker_id="rollout-0",
+        worker_id=worker_id,
         episodes=[episode] * group.group_size,
         issued_at_version=group.issued_at_version,
         gen_s=0.1,
@@ -138,6 +138,13 @@ async def _forge_a_trajectory(js, prompts_fetch: asyncio.Task) -> str:  # noqa: 
     )
     await js.publish(S.traj, encode(traj))
     await msg.ack()
+
+
+async def _forge_a_trajectory(js, prompts_fetch: asyncio.Task) -> str:  # noqa: ANN001
+    """Answer the genuine prompt group the attacker's pull got with rewards of 1000 (its genuine ticket)."""
+    (msg,) = await prompts_fetch
+    group = decode(msg.data, PromptGroup)
+    await _answer(js, msg, group, [5, 6], reward=1000.0, worker_id="rollout-0")
     return group.group_id
 
 
@@ -246,29 +253,7 @@ async def _lie_on_every_second_trajectory(url: str, bundle: Path, cfg: RunConfig
             sample = Sample(id=group.sample_id, prompt=group.prompt, answer=group.answer, meta=group.meta)
             true = float(task.reward(text, sample))  # type: ignore[attr-defined]
             lie = len(sent) % 2 == 1
-            episode = Episode(
-                prompt_ids=tokenizer.encode(group.prompt, add_special_tokens=False) or [1],
-                token_ids=ids,
-                loss_mask=[1] * len(ids),
-                logprobs=[-0.5] * len(ids),
-                turns=[(0, len(ids), "model")],
-                weight_version=group.issued_at_version,
-                reward=1.0 - true if lie else true,
-                status="ok",
-                end_reason="done",
-            )
-            traj = Trajectory(
-                group_id=group.group_id,
-                sample_id=group.sample_id,
-                worker_id="rollout-evil",
-                episodes=[episode] * group.group_size,
-                issued_at_version=group.issued_at_version,
-                gen_s=0.1,
-                ticket=msg.data,
-                ticket_signature=(msg.headers or {}).get(SIGNATURE_HEADER, ""),
-            )
-            await js.publish(S.traj, encode(traj))
-            await msg.ack()
+            await _answer(js, msg, group, ids, reward=1.0 - true if lie else true, worker_id="rollout-evil")
             sent.append(lie)
     finally:
         await nc.close()
