@@ -735,7 +735,15 @@ class Controller(Actor):
             trajectories_duplicate=sum(
                 int(hb.stats.get("duplicates", 0)) for hb in self.peers.values() if hb.role == "trainer"
             ),
+            # of which a second trajectory of a group (generated twice: a redelivered prompt another worker played)
+            groups_generated_again=sum(
+                int(hb.stats.get("generated_again", 0)) for hb in self.peers.values() if hb.role == "trainer"
+            ),
             reward_audit=self._reward_audit(),
+            # prompts a restarted server redelivered to the worker that had them, recognised there (not played again)
+            prompts_redelivered_skipped=sum(
+                int(hb.stats.get("redeliveries_skipped", 0)) for hb in self.workers.values()
+            ),
             workers={k: hb.version for k, hb in self.workers.items()},
             # Bytes each published version put on the bus, per sync mode (a delta run also has full anchors).
             sync_bytes={

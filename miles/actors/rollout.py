@@ -24,6 +24,7 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from miles.actors.base import Actor, keep_in_progress
+from miles.actors.deliveries import GroupDeliveries
 from miles.actors.rollout_stats import RolloutStats
 from miles.actors.trust import MAX_VERSION_JUMP
 from miles.bus.runinfo import RunInfoError, check_worker_config, wait_run_info
@@ -60,10 +61,15 @@ class RolloutWorker(Actor):
         # One reporter at a time: a trajectory may go out only once its versions' reports are *stored*, not
         # merely claimed by the other reporter whose publish is still in flight (found by tests/conformance).
         self._report_lock = asyncio.Lock()
+        self.deliveries = GroupDeliveries()  # a prompt redelivered after an outage is not played twice
 
     def heartbeat(self) -> Heartbeat:
         version = self.engine.version if hasattr(self, "engine") else -1
-        stats = {**self.stats.as_dict(), **self.bus.refusal_stats()}
+        stats = {
+            **self.stats.as_dict(),
+            **self.bus.refusal_stats(),
+            "redeliveries_skipped": float(self.deliveries.skipped),
+        }
         if hasattr(self, "follower"):
             stats |= self.follower.stats()
         if hasattr(self, "engine"):
@@ -220,6 +226,12 @@ class RolloutWorker(Actor):
                         if group is None or refusal is not None:
                             room.release()
                             continue
+                        claim = self.deliveries.claim(group.group_id, msg)
+                        if claim != "play":  # redelivered: held until the group in play is stored, or acked now
+                            if claim == "stored":
+                                await msg.ack()
+                            room.release()
+                            continue
                         tg.create_task(self._play_group(msg, group, task, renderer, params, limits, room))
         finally:
             with contextlib.suppress(Exception):
@@ -235,6 +247,7 @@ class RolloutWorker(Actor):
         limits: EpisodeLimits,
         room: asyncio.Semaphore,
     ) -> None:
+        stored = False
         try:
             async with keep_in_progress([msg], period_s=self.cfg.bus.ack_wait_s / 3):
                 # Staleness contract: play with at least the version the controller issued the group at.
@@ -271,9 +284,12 @@ class RolloutWorker(Actor):
                     ticket_signature=(msg.headers or {}).get(SIGNATURE_HEADER, ""),
                 )
                 await self.bus.publish(self.bus.subjects.traj, traj)  # durable first...
+                stored = True
                 await msg.ack()  # ...then the prompt may go
                 self.stats.add_group(traj)
         finally:
+            for held in self.deliveries.finish(group.group_id, stored=stored):  # redeliveries held meanwhile
+                await (held.ack() if stored else held.nak())
             room.release()
 
     # ------------------------------------------------------------------ evaluation

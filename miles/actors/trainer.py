@@ -48,7 +48,7 @@ from miles.sync.publisher import Lineage
 from miles.sync.sender import WeightSender, build_sender
 from miles.training.audit import RewardAudit
 from miles.training.batch import build_batch, group_rewards
-from miles.training.intake import classify, judged_version
+from miles.training.intake import RecentSet, classify, judged_version
 from miles.training.lineage import IndexSet, VersionLineage
 from miles.training.recovery import fetch_batch, plan_recovery, read_history
 from miles.training.step import plan_batch
@@ -72,12 +72,21 @@ class TrainerLeader(Actor):
         self.shaper = RewardShaper(self.cfg.trainer.algo, generation_budget(self.cfg))
         self.group_filter = build_group_filter(self.cfg.trainer.algo.filter)  # DAPO's dynamic sampling, or None
         self.teacher = teacher_client(self.cfg, self.bus)  # a bus teacher, or None
-        self.counts = {"dropped": 0, "requeued": 0, "duplicates": 0, "no_signal": 0, "filtered": 0, "replayed_steps": 0}
+        self.counts = {
+            "dropped": 0,
+            "requeued": 0,
+            "duplicates": 0,
+            "generated_again": 0,
+            "no_signal": 0,
+            "filtered": 0,
+            "replayed_steps": 0,
+        }
         # Failed episodes of groups discarded since the last step (and groups filtered): reported with the next
         # step, so every resolved trajectory's failures are counted once, trained or not.
         self._discarded_failures = {"reward_failed": 0.0, "infra_excluded": 0.0, "groups_filtered": 0.0}
         self._last_checkpoint_step = 0
         self.audit: RewardAudit | None = None  # trainer.audit: built at start (it loads the task and tokenizer)
+        self._seen_seqs = RecentSet(keep=1 << 16)  # TRAJ sequences handled since this trainer started
 
     def heartbeat(self) -> Heartbeat:
         stats = {
@@ -206,10 +215,16 @@ class TrainerLeader(Actor):
                         has_trained_episodes=bool(traj.trained_episodes),
                         keep=None if gf is None else (lambda t=traj: gf(group_rewards(t, shaper))),
                     )
+                    seq = m.metadata.sequence.stream
                     if verdict == "duplicate":
                         self.counts["duplicates"] += 1
+                        # A trajectory this trainer has not had before is another one of the group (it was played
+                        # twice: miles/actors/deliveries.py); one it has had is delivered again (its ack was lost).
+                        self.counts["generated_again"] += seq not in self._seen_seqs
+                        self._seen_seqs.add(seq)
                         await m.ack()
                         continue
+                    self._seen_seqs.add(seq)
                     if verdict == "stale":
                         await self._discard(m, traj, "stale", requeue=self.cfg.staleness.on_stale == "requeue")
                         continue

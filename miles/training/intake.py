@@ -7,7 +7,9 @@ very rule the trainer runs, instead of a copy of it that could drift.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Container, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 Verdict = Literal["duplicate", "stale", "no_signal", "filtered", "accept"]
@@ -57,3 +59,20 @@ def fresh_loss_mask(loss_mask: Sequence[int], token_versions: Sequence[int], fre
             verdicts[v] = fresh(v)
         out.append(int(bool(m) and verdicts[v]) if m else 0)
     return out
+
+
+@dataclass(slots=True)
+class RecentSet:
+    """The newest ``keep`` integers added (stream sequences the trainer handled): bounded for any run length."""
+
+    keep: int
+    _items: OrderedDict[int, None] = field(default_factory=OrderedDict)
+
+    def __contains__(self, item: int) -> bool:
+        return item in self._items
+
+    def add(self, item: int) -> None:
+        self._items[item] = None
+        self._items.move_to_end(item)
+        while len(self._items) > self.keep:
+            self._items.popitem(last=False)

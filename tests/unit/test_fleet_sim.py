@@ -15,7 +15,7 @@ from miles.actors.admission import AdmissionState, issue_room
 from miles.actors.controller import Controller
 from miles.actors.trainer import TrainerLeader
 from miles.sim.fleet import EngineModel, FleetParams, LengthModel, simulate
-from miles.training.intake import classify
+from miles.training.intake import RecentSet, classify
 from miles.training.lineage import IndexSet, VersionLineage
 
 # ------------------------------------------------------------------ classify
@@ -97,8 +97,12 @@ async def test_controller_admit_calls_issue_room(monkeypatch: pytest.MonkeyPatch
 
 
 class _Msg:
+    _seq = 0
+
     def __init__(self, traj) -> None:
+        _Msg._seq += 1
         self.traj, self.acked = traj, False
+        self.metadata = SimpleNamespace(sequence=SimpleNamespace(stream=_Msg._seq))
 
     async def ack(self) -> None:
         self.acked = True
@@ -139,7 +143,8 @@ async def test_trainer_collect_acts_on_classify(
     for v in range(4):
         tr.lineage.advance(v, v)
     tr.group_filter, tr.shaper = None, None
-    tr.counts = {"duplicates": 0}
+    tr.counts = {"duplicates": 0, "generated_again": 0}
+    tr._seen_seqs = RecentSet(keep=16)
     discards: list[tuple[int, str, bool]] = []
 
     async def accept(m):
@@ -159,6 +164,7 @@ async def test_trainer_collect_acts_on_classify(
     held, got = await asyncio.wait_for(tr._collect(_Sub(msgs)), timeout=5)
     assert verdicts == ["duplicate", expected, "accept"]
     assert tr.counts["duplicates"] == 1 and msgs[0].acked
+    assert tr.counts["generated_again"] == 1  # a trajectory of a trained group it had not seen: played twice
     if expected == "stale":
         assert discards == [(1, "stale", True)]
         assert [t.issue_index for t in got] == [2] and held == [msgs[2]]
