@@ -68,9 +68,9 @@ class RewardAudit:
                 continue
             try:
                 expected = float(self.task.reward(completion_text(episode, self.decode), sample))
-            except Exception as exc:  # the task's own reward fails here too: no verdict on the worker
-                log.warning("audit_reward_failed", group=traj.group_id, error=f"{type(exc).__name__}: {exc}"[:500])
-                return None
+            except Exception as exc:  # a user's reward may raise anything; on an honest worker it failed too
+                why = f"{type(exc).__name__}: {exc}"[:300]
+                return f"episode {i}: reward {episode.reward}, the task's reward raised {why} (reward_failed)"
             if not math.isfinite(expected) or abs(expected - episode.reward) > self.tolerance:
                 return f"episode {i}: reward {episode.reward}, the task gives {expected}"
         return None

@@ -63,3 +63,15 @@ async def test_only_the_drawn_share_is_re_scored_and_exclusion_can_wait_for_more
     assert await audit.refusal(lie, TICKET) is not None and audit.excluded == set()  # one lie of two allowed
     assert await audit.refusal(lie, TICKET) is not None and audit.excluded == {"w"}
     assert audit.audited == 2 and reward_audit_alarm({}) is None
+
+
+async def test_a_reward_that_raises_on_the_trainer_disagrees_with_a_worker_that_reported_one() -> None:
+    """An honest worker's episode would have failed (reward_failed): one that reports a reward did not run it."""
+
+    class Raising(ArithmeticTask):
+        def reward(self, completion: str, sample: object) -> float:  # type: ignore[override]
+            raise KeyError("difficulty")
+
+    audit = RewardAudit(Raising(ArithmeticTaskConfig()), _decode, rate=1.0)
+    why = await audit.refusal(_traj("w", _episode(SAMPLE.answer, 1.0)), TICKET)
+    assert why is not None and "raised KeyError" in why and audit.excluded == {"w"}
