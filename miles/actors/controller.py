@@ -63,7 +63,7 @@ from miles.bus.schema import (
 from miles.failpoints import failpoint
 from miles.security.signing import SignatureError
 from miles.sync.transport.dataplane import WeightStore
-from miles.training.audit import reward_audit_alarm
+from miles.training.audit import REWARD_AUDIT_KEYS, reward_audit_alarm
 
 __all__ = ["AdmissionState", "Controller", "admission_limit"]
 
@@ -690,8 +690,7 @@ class Controller(Actor):
             )
         if self.audit.mismatches:
             alarms.append(f"{self.audit.mismatches} held-weight reports did not match the announced weights")
-        trainers = [hb.stats for hb in self.peers.values() if hb.role == "trainer"]
-        if trainers and (alarm := reward_audit_alarm(trainers[0])):
+        if alarm := reward_audit_alarm({key: self._trainer_count(key) for key in REWARD_AUDIT_KEYS}):
             alarms.append(alarm)
         return {
             "dead_lettered": sum(int(st.get("dead_lettered", 0)) for st in reports.values()),
@@ -699,11 +698,9 @@ class Controller(Actor):
             "alarms": alarms,
         }
 
-    def _reward_audit(self) -> dict[str, int]:
-        """The trainer's reward audit counts (trainer.audit), from its latest heartbeat; zeros when off."""
-        stats = next((hb.stats for hb in self.peers.values() if hb.role == "trainer"), {})
-        keys = ("audited", "audit_mismatches", "audit_excluded_workers", "audit_refused_excluded")
-        return {key.removeprefix("audit_"): int(stats.get(key, 0)) for key in keys}
+    def _trainer_count(self, key: str) -> int:
+        """A count from the trainer's latest heartbeat (summed over trainer actors; 0 when it never reported it)."""
+        return sum(int(hb.stats.get(key, 0)) for hb in self.peers.values() if hb.role == "trainer")
 
     async def _finish(self, trainer_done: TrainerDone, done: asyncio.Event) -> None:
         """Evaluate the final version, write the summary, stop every actor."""
@@ -732,14 +729,11 @@ class Controller(Actor):
             # skipped by the trainer as a duplicate (the trainer's count, from its heartbeat)
             prompts_republished=self.republished["prompts"],
             prompts_deduplicated=self.republished["deduplicated"],
-            trajectories_duplicate=sum(
-                int(hb.stats.get("duplicates", 0)) for hb in self.peers.values() if hb.role == "trainer"
-            ),
+            trajectories_duplicate=self._trainer_count("duplicates"),
             # of which a second trajectory of a group (generated twice: a redelivered prompt another worker played)
-            groups_generated_again=sum(
-                int(hb.stats.get("generated_again", 0)) for hb in self.peers.values() if hb.role == "trainer"
-            ),
-            reward_audit=self._reward_audit(),
+            groups_generated_again=self._trainer_count("generated_again"),
+            # the trainer's reward audit (trainer.audit; zeros when off)
+            reward_audit={key.removeprefix("audit_"): self._trainer_count(key) for key in REWARD_AUDIT_KEYS},
             # prompts a restarted server redelivered to the worker that had them, recognised there (not played again)
             prompts_redelivered_skipped=sum(
                 int(hb.stats.get("redeliveries_skipped", 0)) for hb in self.workers.values()

@@ -19,7 +19,7 @@ import asyncio
 import math
 import random
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -30,6 +30,8 @@ from miles.tasks.base import Sample, TextTask
 log = structlog.get_logger(__name__)
 
 Decode = Callable[[Sequence[int]], str]
+# The trainer's heartbeat counts of the audit (summary.json ``reward_audit`` drops the ``audit_`` prefix).
+REWARD_AUDIT_KEYS = ("audited", "audit_mismatches", "audit_excluded_workers", "audit_refused_excluded")
 
 
 def completion_text(episode: Episode, decode: Decode) -> str:
@@ -94,15 +96,11 @@ class RewardAudit:
         return f"reward audit: {why}"
 
     def stats(self) -> dict[str, float]:
-        return {
-            "audited": float(self.audited),
-            "audit_mismatches": float(sum(self.mismatches.values())),
-            "audit_excluded_workers": float(len(self.excluded)),
-            "audit_refused_excluded": float(self.refused_excluded),
-        }
+        counts = (self.audited, sum(self.mismatches.values()), len(self.excluded), self.refused_excluded)
+        return {key: float(n) for key, n in zip(REWARD_AUDIT_KEYS, counts, strict=True)}
 
 
-def reward_audit_alarm(trainer_stats: dict[str, float]) -> str | None:
+def reward_audit_alarm(trainer_stats: Mapping[str, float]) -> str | None:
     """The alarm line for summary.json and ``miles top`` from the trainer's heartbeat, or None if all agreed."""
     mismatches = int(trainer_stats.get("audit_mismatches", 0))
     if not mismatches:

@@ -20,6 +20,7 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nats.aio.client import Client
@@ -60,7 +61,7 @@ async def _until(predicate, what: str, timeout_s: float = 180.0) -> None:  # noq
             await asyncio.sleep(0.05)
 
 
-async def _steal_the_initial_evaluation(js, setup_js) -> list[EvalTask]:  # noqa: ANN001
+async def _steal_the_initial_evaluation(js) -> list[EvalTask]:  # noqa: ANN001
     """Take every shard of the first evaluation (no genuine worker runs yet) and answer it with 1000 per sample."""
     evalq = await js.pull_subscribe_bind(durable=S.ROLLOUT_EVAL_CONSUMER, stream=f"{RUN}_EVALQ")
     stolen: list[EvalTask] = []
@@ -153,7 +154,7 @@ async def _attack(cluster: Cluster, url: str, bundle: Path) -> dict[str, object]
     setup = await _connect(url, bundle, "setup")  # only to watch the prompt queue's waiting pulls
     try:
         js, setup_js = nc.jetstream(timeout=10.0), setup.jetstream(timeout=10.0)
-        stolen = await _steal_the_initial_evaluation(js, setup_js)
+        stolen = await _steal_the_initial_evaluation(js)
         sent = await _garbage_everywhere(nc, js)
         prompts = await js.pull_subscribe_bind(durable=S.ROLLOUT_CONSUMER, stream=S.prompts_stream)
         fetch = asyncio.create_task(prompts.fetch(1, timeout=240))
@@ -171,6 +172,20 @@ async def _attack(cluster: Cluster, url: str, bundle: Path) -> dict[str, object]
     finally:
         await nc.close()
         await setup.close()
+
+
+def _completed(cluster: Cluster, steps: int) -> dict[str, Any]:
+    """Wait for the run's end (stopping the actors whatever happens): every actor exited 0, all steps done."""
+    try:
+        cluster.wait_for(lambda: (cluster.run_dir / "summary.json").exists(), 300, "the run to complete")
+        cluster.wait_all_exit(60)
+    finally:
+        cluster.stop()
+    for name, proc in cluster.procs.items():
+        assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{cluster.log(name)[-3000:]}"
+    summary = cluster.summary()
+    assert summary["status"] == "complete" and summary["steps"] == steps
+    return summary
 
 
 @pytest.mark.slow
@@ -193,14 +208,10 @@ def test_a_dishonest_rollout_identity_cannot_crash_fake_or_suppress_anything(
     cluster.start_trainer()
     try:
         facts = asyncio.run(_attack(cluster, server.url, bundle))
-        cluster.wait_for(lambda: (cluster.run_dir / "summary.json").exists(), 300, "the run to complete")
-        cluster.wait_all_exit(60)
-    finally:
+    except BaseException:
         cluster.stop()
-    for name, proc in cluster.procs.items():
-        assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{cluster.log(name)[-3000:]}"
-    summary = cluster.summary()
-    assert summary["status"] == "complete" and summary["steps"] == STEPS
+        raise
+    summary = _completed(cluster, STEPS)
 
     def in_range(value: object) -> bool:
         return isinstance(value, int | float) and math.isfinite(value) and 0.0 <= value <= 1.0
@@ -291,14 +302,10 @@ def test_the_reward_audit_excludes_a_worker_that_inflates_rewards(
 
     try:
         sent = asyncio.run(attack_during_the_run())
-        cluster.wait_for(lambda: (cluster.run_dir / "summary.json").exists(), 300, "the run to complete")
-        cluster.wait_all_exit(60)
-    finally:
+    except BaseException:
         cluster.stop()
-    for name, proc in cluster.procs.items():
-        assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{cluster.log(name)[-3000:]}"
-    summary = cluster.summary()
-    assert summary["status"] == "complete" and summary["steps"] == 10
+        raise
+    summary = _completed(cluster, 10)
     assert sent == [False, True, False, True], sent  # honest, lie, honest, lie
     audit = summary["reward_audit"]
     # Every trajectory was re-scored; only the liar's disagreed (the honest workers' rewards all matched).
