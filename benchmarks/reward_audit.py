@@ -3,7 +3,7 @@
     python benchmarks/reward_audit.py --out benchmarks/results/reward_audit.json
 
 Cost: the trainer's intake of a trajectory without the audit (decode the message, the trust checks) and with
-it (plus re-scoring every episode with the task's own reward, :class:`miles.training.audit.RewardAudit`),
+it (plus re-scoring every episode with the task's own reward, :class:`miles.training.audit.RewardCheck`),
 timed side by side on the quickstart's shape (arithmetic task, the tiny model's character tokenizer, groups of
 8 episodes of up to 8 tokens, 32 groups per step), interleaved, as CPU time of this one process.
 
@@ -28,7 +28,7 @@ from miles.config import ArithmeticTaskConfig
 from miles.logs import configure_logging
 from miles.models.tiny import build_char_tokenizer
 from miles.tasks.arithmetic import ArithmeticTask
-from miles.training.audit import RewardAudit, completion_text
+from miles.training.audit import RewardCheck, TrajectoryAudit, completion_text
 
 GROUP_SIZE = 8
 GROUPS_PER_STEP = 32
@@ -82,7 +82,7 @@ def _intake(data: bytes, vocab: int) -> tuple[Trajectory, PromptGroup]:
 def measure_cost(task: ArithmeticTask, tokenizer, repeats: int) -> dict[str, float]:  # noqa: ANN001
     rng = random.Random(0)
     trajs = _trajectories(task, tokenizer, GROUPS_PER_STEP, rng)
-    audit = RewardAudit(task, lambda t: tokenizer.decode(list(t), skip_special_tokens=True), rate=1.0)
+    check = RewardCheck(task, lambda t: tokenizer.decode(list(t), skip_special_tokens=True))
     vocab = len(tokenizer)
     plain, audited = [], []
     for _ in range(repeats):  # interleaved: one step's batch without, then with the audit
@@ -92,7 +92,7 @@ def measure_cost(task: ArithmeticTask, tokenizer, repeats: int) -> dict[str, flo
         t1 = time.process_time()
         for data, _ in trajs:
             traj, ticket = _intake(data, vocab)
-            assert audit.disagreement(traj, ticket) is None  # honest: the re-score agrees
+            assert check.disagreement(traj, ticket, 1e-6) is None  # honest: the re-score agrees
         t2 = time.process_time()
         plain.append(t1 - t0)
         audited.append(t2 - t1)
@@ -108,7 +108,8 @@ def measure_cost(task: ArithmeticTask, tokenizer, repeats: int) -> dict[str, flo
 
 
 async def _detected(task: ArithmeticTask, tokenizer, lies: list[tuple[Trajectory, PromptGroup]], rate: float) -> bool:  # noqa: ANN001
-    audit = RewardAudit(task, lambda t: tokenizer.decode(list(t), skip_special_tokens=True), rate=rate)
+    check = RewardCheck(task, lambda t: tokenizer.decode(list(t), skip_special_tokens=True))
+    audit = TrajectoryAudit(check, rate=rate)
     for traj, ticket in lies:
         await audit.refusal(traj, ticket)
     return "liar" in audit.excluded

@@ -395,7 +395,8 @@ class LoraConfig(Strict):
 
 
 class AuditConfig(Strict):
-    """The reward audit (docs/security.md): the trainer re-scores a random share of trajectories itself."""
+    """The trajectory audit (docs/security.md): the trainer checks a random share of workers' rewards and
+    behaviour log-probs itself."""
 
     rate: float = Field(
         0.0,
@@ -406,6 +407,22 @@ class AuditConfig(Strict):
         "probability 1 - (1 - rate)^n.",
     )
     tolerance: float = Field(1e-6, ge=0, description="Largest difference between a worker's reward and the task's.")
+    logprob_rate: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of trajectories whose behaviour log-probs the trainer recomputes with its own forward "
+        "(0: off) under the weights that sampled them (every rank keeps its shards of the last max_staleness + 1 "
+        "versions; an episode whose weights changed mid-generation is not checked). Any task, agents included; "
+        "costs a no-grad forward of the checked trajectories.",
+    )
+    logprob_tolerance: float | None = Field(
+        None,
+        gt=0,
+        description="Largest mean |log pi - log mu| per token of a checked trajectory (nats). Default 0.05 where "
+        "the trainer scores with exactly the weights workers hold (sync.dtype bfloat16 or float32, no LoRA); "
+        "otherwise required: an honest run's summary.json audit.logprob_gap_max says where to set it.",
+    )
     exclude_after: int = Field(
         1,
         ge=1,
@@ -443,7 +460,9 @@ class TrainerConfig(Strict):
         True, description="Write checkpoints in the background while training goes on (torch.distributed async save)."
     )
     seed: int = Field(0, description="Seed of model init and sampling in the trainer.")
-    audit: AuditConfig = Field(default_factory=AuditConfig, description="Re-score workers' rewards (untrusted ones).")
+    audit: AuditConfig = Field(
+        default_factory=AuditConfig, description="Check workers' rewards and log-probs (untrusted ones)."
+    )
 
 
 # --------------------------------------------------------------------------- staleness / sync / bus
@@ -603,6 +622,12 @@ class RunConfig(Strict):
     bus: BusConfig = Field(default_factory=BusConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="Live monitor and plots.")
 
+    @property
+    def rollout_weights_are_a_cast(self) -> bool:
+        """Workers hold the trained tensors cast to ``sync.dtype`` (not quantized codes, no LoRA merged into
+        them): the trainer can reproduce their weights exactly by the same cast (the log-prob audit does)."""
+        return self.sync.dtype in ("bfloat16", "float32") and self.trainer.lora is None
+
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         if self.trainer.groups_per_step % self.trainer.ranks:
@@ -626,10 +651,18 @@ class RunConfig(Strict):
                     "rollout.sampling.top_p < 1 with rollout.engine.type 'vllm': vLLM reports log-probs after the "
                     "top-p cut, not the behaviour log-probs the off-policy corrections need; keep top_p at 1"
                 )
+        audit = self.trainer.audit
+        if audit.logprob_rate > 0 and audit.logprob_tolerance is None and not self.rollout_weights_are_a_cast:
+            raise ValueError(
+                "trainer.audit.logprob_tolerance: required with trainer.audit.logprob_rate > 0 when workers do not "
+                f"hold a plain cast of the trained weights (sync.dtype {self.sync.dtype!r}, LoRA "
+                f"{'on' if self.trainer.lora else 'off'}): the honest gap includes the rollout quantization; run "
+                "once with a large tolerance and set it well above summary.json's audit.logprob_gap_max"
+            )
         if self.trainer.audit.rate > 0 and self.task.type == "terminal":
             raise ValueError(
                 "trainer.audit.rate > 0 re-scores single-turn text tasks; a terminal task's reward comes from a "
-                "sandbox the trainer does not replay"
+                "sandbox the trainer does not replay (trainer.audit.logprob_rate checks an agent's log-probs)"
             )
         return self
 

@@ -63,7 +63,7 @@ from miles.bus.schema import (
 from miles.failpoints import failpoint
 from miles.security.signing import SignatureError
 from miles.sync.transport.dataplane import WeightStore
-from miles.training.audit import REWARD_AUDIT_KEYS, reward_audit_alarm
+from miles.training.audit import AUDIT_KEYS, GAP_MAX_KEY, audit_alarm
 
 __all__ = ["AdmissionState", "Controller", "admission_limit"]
 
@@ -690,7 +690,7 @@ class Controller(Actor):
             )
         if self.audit.mismatches:
             alarms.append(f"{self.audit.mismatches} held-weight reports did not match the announced weights")
-        if alarm := reward_audit_alarm({key: self._trainer_count(key) for key in REWARD_AUDIT_KEYS}):
+        if alarm := audit_alarm({key: self._trainer_count(key) for key in AUDIT_KEYS}):
             alarms.append(alarm)
         return {
             "dead_lettered": sum(int(st.get("dead_lettered", 0)) for st in reports.values()),
@@ -698,9 +698,13 @@ class Controller(Actor):
             "alarms": alarms,
         }
 
+    def _trainers(self) -> list[Heartbeat]:
+        """The trainer actors' latest heartbeats."""
+        return [hb for hb in self.peers.values() if hb.role == "trainer"]
+
     def _trainer_count(self, key: str) -> int:
         """A count from the trainer's latest heartbeat (summed over trainer actors; 0 when it never reported it)."""
-        return sum(int(hb.stats.get(key, 0)) for hb in self.peers.values() if hb.role == "trainer")
+        return sum(int(hb.stats.get(key, 0)) for hb in self._trainers())
 
     async def _finish(self, trainer_done: TrainerDone, done: asyncio.Event) -> None:
         """Evaluate the final version, write the summary, stop every actor."""
@@ -732,8 +736,9 @@ class Controller(Actor):
             trajectories_duplicate=self._trainer_count("duplicates"),
             # of which a second trajectory of a group (generated twice: a redelivered prompt another worker played)
             groups_generated_again=self._trainer_count("generated_again"),
-            # the trainer's reward audit (trainer.audit; zeros when off)
-            reward_audit={key.removeprefix("audit_"): self._trainer_count(key) for key in REWARD_AUDIT_KEYS},
+            # the trainer's trajectory audit (trainer.audit: rewards and log-probs; zeros when off)
+            audit={key.removeprefix("audit_"): self._trainer_count(key) for key in AUDIT_KEYS}
+            | {"logprob_gap_max": max((hb.stats.get(GAP_MAX_KEY, 0.0) for hb in self._trainers()), default=0.0)},
             # prompts a restarted server redelivered to the worker that had them, recognised there (not played again)
             prompts_redelivered_skipped=sum(
                 int(hb.stats.get("redeliveries_skipped", 0)) for hb in self.workers.values()

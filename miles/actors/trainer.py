@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from miles.algo.advantages import ADVANTAGES
 from miles.algo.config import generation_budget
 from miles.algo.filters import build_group_filter
 from miles.algo.shaping import RewardShaper
+from miles.backends.base import TrainSample
 from miles.bus.client import KEY_GROUPS_ISSUED
 from miles.bus.schema import (
     GroupsDiscarded,
@@ -46,7 +48,7 @@ from miles.failpoints import failpoint
 from miles.security.signing import SIGNATURE_HEADER, SIGNER_HEADER, SignatureError
 from miles.sync.publisher import Lineage
 from miles.sync.sender import WeightSender, build_sender
-from miles.training.audit import RewardAudit
+from miles.training.audit import DEFAULT_LOGPROB_TOLERANCE, RewardCheck, TrajectoryAudit, logprob_samples
 from miles.training.batch import build_batch, group_rewards
 from miles.training.intake import RecentSet, classify, judged_version
 from miles.training.lineage import IndexSet, VersionLineage
@@ -85,8 +87,10 @@ class TrainerLeader(Actor):
         # step, so every resolved trajectory's failures are counted once, trained or not.
         self._discarded_failures = {"reward_failed": 0.0, "infra_excluded": 0.0, "groups_filtered": 0.0}
         self._last_checkpoint_step = 0
-        self.audit: RewardAudit | None = None  # trainer.audit: built at start (it loads the task and tokenizer)
+        self.audit: TrajectoryAudit | None = None  # trainer.audit: built at start (it loads the task and tokenizer)
         self._seen_seqs = RecentSet(keep=1 << 16)  # TRAJ sequences handled since this trainer started
+        # Versions whose weights the ranks keep for the log-prob audit (as many as miles.training.snapshots keeps).
+        self._snapshotted: deque[int] = deque(maxlen=eta + 1)
 
     def heartbeat(self) -> Heartbeat:
         stats = {
@@ -105,7 +109,8 @@ class TrainerLeader(Actor):
 
         cfg = self.cfg
         self.vocab_size = vocab_size(prepared_model_dir(cfg.model, cfg.task))
-        self.audit = await asyncio.to_thread(self._build_audit) if cfg.trainer.audit.rate > 0 else None
+        audit = cfg.trainer.audit
+        self.audit = await asyncio.to_thread(self._build_audit) if audit.rate or audit.logprob_rate else None
         self._issued = 0  # the controller's issue window (state bucket), read again when a group lies past it
         self.weights = await build_sender(cfg, self.bus, self.ranks, self.run_dir, self.log)
         await self._recover()
@@ -183,8 +188,16 @@ class TrainerLeader(Actor):
         msgs: list[Msg] = []
         trajs: list[Trajectory] = []
         held: set[int] = set()
+        to_check: list[Trajectory] = []  # drawn for the log-prob audit, not checked yet
         async with keep_in_progress(msgs, period_s=self.cfg.bus.ack_wait_s / 3):
-            while len(trajs) < want:
+            while len(trajs) < want or to_check:
+                if to_check and len(trajs) >= want:  # the batch is full: check the drawn ones, refill if refused
+                    for traj in await self._audit_logprobs(to_check, dict(zip((t.group_id for t in trajs), msgs))):
+                        i = trajs.index(traj)
+                        held.discard(traj.issue_index)
+                        del trajs[i], msgs[i]
+                    to_check = []
+                    continue
                 if self.stopping.is_set():
                     for m in msgs:
                         await m.nak()
@@ -238,7 +251,39 @@ class TrainerLeader(Actor):
                     held.add(index)
                     msgs.append(m)
                     trajs.append(traj)
+                    if self.audit is not None and self.audit.draw_logprobs():
+                        to_check.append(traj)
         return msgs, trajs
+
+    async def _audit_logprobs(self, trajs: list[Trajectory], msgs: dict[str, Msg]) -> list[Trajectory]:
+        """The log-prob audit of held trajectories (:mod:`miles.training.audit`): a no-grad forward of their
+        episodes under the weights that sampled them (kept since they were published); those whose behaviour
+        log-probs disagree are refused and issued again. Returns the refused."""
+        assert self.audit is not None
+        indexed: list[tuple[int, TrainSample]] = []
+        owner: list[int] = []  # the trajectory of each sample
+        for t, traj in enumerate(trajs):
+            for sample in logprob_samples(traj, self._snapshotted):
+                indexed.append((len(indexed), sample))
+                owner.append(t)
+        if not indexed:
+            return []
+        dp_size = self.ranks.worker.backend.dp_size
+        sums = await self.ranks.call("logprob_gaps", [indexed[r::dp_size] for r in range(dp_size)], len(indexed))
+        diff, tokens = [0.0] * len(trajs), [0.0] * len(trajs)
+        for i, t in enumerate(owner):
+            diff[t] += sums[2 * i]
+            tokens[t] += sums[2 * i + 1]
+        refused = []
+        for t in sorted(set(owner)):
+            traj = trajs[t]
+            why = self.audit.judge_logprobs(traj, diff[t], tokens[t])
+            if why is None:
+                continue
+            await self.bus.refuse(msgs[traj.group_id], f"trajectory: {why}", category="untrusted")
+            await self._discard(None, traj, "invalid", requeue=True)
+            refused.append(traj)
+        return refused
 
     async def _accept(self, m: Msg) -> Trajectory | None:
         """A delivered trajectory if it can be trained on; None once it was refused (and, for a group the
@@ -270,8 +315,22 @@ class TrainerLeader(Actor):
             await self._discard(None, traj, "invalid", requeue=True)
         return None
 
-    def _build_audit(self) -> RewardAudit:
-        """The reward audit over the task's own reward and the run's tokenizer (blocking: loads both)."""
+    def _build_audit(self) -> TrajectoryAudit:
+        """The audit of cfg.trainer.audit; with rewards re-scored, over the task's own reward and the run's
+        tokenizer (blocking: loads both)."""
+        cfg = self.cfg
+        audit = cfg.trainer.audit
+        rewards = self._reward_check() if audit.rate > 0 else None
+        return TrajectoryAudit(
+            rewards,
+            rate=audit.rate,
+            tolerance=audit.tolerance,
+            logprob_rate=audit.logprob_rate,
+            logprob_tolerance=audit.logprob_tolerance or DEFAULT_LOGPROB_TOLERANCE,
+            exclude_after=audit.exclude_after,
+        )
+
+    def _reward_check(self) -> RewardCheck:
         from miles.models.loading import load_tokenizer, prepared_model_dir
         from miles.tasks.base import TextTask
         from miles.tasks.registry import build_task
@@ -280,17 +339,11 @@ class TrainerLeader(Actor):
         task = build_task(cfg.task, sandbox=cfg.rollout.sandbox)
         if not isinstance(task, TextTask):
             raise ValueError(
-                f"trainer.audit: task.type {cfg.task.type!r} has no reward(completion, sample) to re-score"
+                f"trainer.audit.rate: task.type {cfg.task.type!r} has no reward(completion, sample) to re-score"
             )
         tokenizer = load_tokenizer(prepared_model_dir(cfg.model, cfg.task))
-        audit = cfg.trainer.audit
-        return RewardAudit(
-            task,
-            lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),  # as Renderer.decode on the worker
-            audit.rate,
-            tolerance=audit.tolerance,
-            exclude_after=audit.exclude_after,
-        )
+        # decoded as Renderer.decode on the worker
+        return RewardCheck(task, lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True))
 
     def _ticket(self, traj: Trajectory) -> PromptGroup | None:
         """The prompt group ``traj`` answers, as issued: required and verified when the run signs."""
@@ -402,6 +455,9 @@ class TrainerLeader(Actor):
         """Export the current weights and publish them as the next version (:mod:`miles.sync.sender`)."""
         version = self.next_version
         published = await self.weights.publish(version, Lineage(step, consumed, replayed))
+        if self.audit is not None and self.audit.logprob_rate > 0:
+            await self.ranks.call("snapshot_version", version)
+            self._snapshotted.append(version)
         self.next_version = version + 1
         self.events_seq = max(self.events_seq, published.seq)
         self.lineage.advance(version, step)

@@ -158,6 +158,12 @@ class TrainBackend(Protocol):
         number of micro-batches every rank must run."""
         ...
 
+    def policy_tensors(self) -> list[torch.Tensor]:
+        """This rank's local storage of the trainable policy weights (its shards; with LoRA the adapters),
+        in a fixed order, on their device: what a version snapshot copies and puts back
+        (:mod:`miles.training.snapshots`). Local: no collective."""
+        ...
+
     def export_params(self, *, adapter_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's full tensors under Hugging Face names, one at a time in byte-wise sorted name order,
         float32 on CPU, each gathered only when it is yielded (no rank ever holds the whole model). Every rank

@@ -299,6 +299,12 @@ class FsdpBackend:
         scale = None if adapter_only else self.lora_scale
         return iter_full_params(self.model.lm, adapter_only=adapter_only, lora_scale=scale, dst=0)
 
+    def policy_tensors(self) -> list[Tensor]:
+        """This rank's shard of each trainable parameter (a sharded parameter's local tensor shares its
+        storage)."""
+        params = (p for p in self.model.parameters() if p.requires_grad)
+        return [p.to_local() if hasattr(p, "to_local") else p.data for p in params]
+
     def export_specs(self, *, adapter_only: bool = False) -> list[Any]:
         """Names, dtypes and shapes of what :meth:`export_params` yields, without any collective (the streamed
         payload's header is computed from them)."""

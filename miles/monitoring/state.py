@@ -20,7 +20,7 @@ from typing import Any
 from miles.bus.schema import EvalResult, Heartbeat, StepMetrics, TrainerDone, WeightsAnnounced
 from miles.monitoring.episodes import engine_flags, episode_summary, summed
 from miles.monitoring.versions import VersionSteps
-from miles.training.audit import reward_audit_alarm
+from miles.training.audit import audit_alarm
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 # Step metrics that count episodes or events of the step: summed over the steps seen into ``trained``.
@@ -132,7 +132,7 @@ class RunState:
         audit = self._weights_audit()
         if audit is not None and audit["mismatches"]:
             alarms.append(f"{audit['mismatches']} held-weight reports did not match the announced weights")
-        if self.trainer is not None and (alarm := reward_audit_alarm(self.trainer.stats)):
+        if self.trainer is not None and (alarm := audit_alarm(self.trainer.stats)):
             alarms.append(alarm)
         return {
             "refused": dict(sorted(by_category.items())),

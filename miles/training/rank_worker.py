@@ -19,6 +19,7 @@ from miles.backends.base import TrainBackend, TrainSample
 from miles.config import RunConfig
 from miles.sync.stream_export import drain
 from miles.training.checkpoint import CheckpointManager
+from miles.training.snapshots import VersionSnapshots
 from miles.training.step import RLStep
 from miles.training.teacher import build_trainer_teacher
 
@@ -40,6 +41,10 @@ class RankWorker:
             teacher=build_trainer_teacher(cfg),
             generation_budget=generation_budget(cfg),
         )
+        # The weights of the versions a trajectory may still be trained at, for the log-prob audit.
+        keep = cfg.staleness.max_staleness + 1
+        cast = getattr(torch, cfg.sync.dtype) if cfg.rollout_weights_are_a_cast else None  # as workers hold them
+        self.snapshots = VersionSnapshots(backend, keep, cast) if trainer.audit.logprob_rate > 0 else None
         self.checkpoints = CheckpointManager(
             run_dir / "checkpoints", trainer.checkpoint_every, trainer.keep_checkpoints, trainer.async_checkpoint
         )
@@ -55,6 +60,24 @@ class RankWorker:
     def train(self, plan: Sequence[Sequence[Sequence[TrainSample]]]) -> dict[str, float]:
         """One rollout batch: ``plan[dp_rank][minibatch]`` (:func:`miles.training.step.plan_batch`)."""
         return self.rl.run(plan[self.backend.dp_rank])
+
+    def snapshot_version(self, version: int) -> None:
+        """Keep the live weights as ``version`` for the log-prob audit (they were just published)."""
+        assert self.snapshots is not None, "trainer.audit.logprob_rate is 0"
+        self.snapshots.take(version)
+
+    def logprob_gaps(self, plan: Sequence[Sequence[tuple[int, TrainSample]]], total: int) -> list[float]:
+        """The log-prob audit's per-sample differences (:meth:`RLStep.logprob_gaps`), each sample scored under
+        the weights of its ``weight_version``; ``plan[dp_rank]``, every rank going through the same versions."""
+        assert self.snapshots is not None, "trainer.audit.logprob_rate is 0"
+        versions = sorted({sample.weight_version for shard in plan for _, sample in shard})
+        mine = plan[self.backend.dp_rank]
+        out = [0.0] * (2 * total)
+        for version in versions:
+            with self.snapshots.weights_of(version):
+                sums = self.rl.logprob_gaps([(i, s) for i, s in mine if s.weight_version == version], total)
+            out = [a + b for a, b in zip(out, sums, strict=True)]
+        return out
 
     def export(self, adapter_only: bool) -> dict[str, torch.Tensor]:
         """The policy's tensors in HF names (float32), gathered one at a time, collected into one dict on rank 0

@@ -104,6 +104,23 @@ class RLStep:
         (count,) = self.backend.all_reduce([float(len(batches))], op="max")
         return pad_to(batches, max(1, int(count)), self.pad_id, self.device)
 
+    def logprob_gaps(self, indexed: Sequence[tuple[int, TrainSample]], total: int) -> list[float]:
+        """The log-prob audit's forward (:mod:`miles.training.audit`), no gradients: for each of ``total``
+        samples (this rank scores ``indexed``, ``(index, sample)``), the summed ``|log pi - log mu|`` over its
+        loss-masked tokens under the current weights, then the number of those tokens: ``2 * total`` values,
+        reduced over the data-parallel ranks."""
+        samples = [sample for _, sample in indexed]
+        batches = self._micro_batches(samples)
+        out = [0.0] * (2 * total)
+        for mb, scored in zip(batches, self.backend.score(batches), strict=True):
+            diff = (scored.logp - mb.tensors["behaviour_logp"]).abs() * mb.loss_mask
+            for span in mb.spans:
+                index = indexed[span.sample][0]
+                cut = slice(span.start, span.start + span.length)
+                out[2 * index] += float(diff[span.row, cut].sum())
+                out[2 * index + 1] += float(mb.loss_mask[span.row, cut].sum())
+        return self.backend.all_reduce(out)
+
     def run(self, minibatches: Sequence[Sequence[TrainSample]]) -> dict[str, float]:
         """Train on this rank's part of each mini-batch (:func:`plan_batch`); one optimizer step per mini-batch.
         Every rank must pass the same number of mini-batches; every rank gets the same (global) metrics."""

@@ -288,6 +288,69 @@ def test_a_batch_without_signal_is_not_stepped() -> None:
     assert any(not torch.equal(value, before[name]) for name, value in weights(backend).items())
 
 
+@pytest.mark.parametrize("layout", [{}, {"micro_batch_tokens": 9, "pack_sequences": False}])
+def test_the_log_prob_audit_measures_each_samples_gap_from_the_current_weights(layout: dict[str, Any]) -> None:
+    """Per sample, the summed |log pi - log mu| over its loss-masked tokens and their count: ~0 for behaviour
+    log-probs the weights give, 0.5 per token where a sample's were shifted by 0.5."""
+    backend = FsdpBackend(tiny_model(), trainer_cfg(backend=layout), 0, 1)
+    samples = grouped_batch(0)  # shared prompts, one sample with an environment turn
+    true = completion_logprobs(backend, samples)
+    shifted = {1, 6, 10}
+    indexed = []
+    for i, (s, logps) in enumerate(zip(samples, true, strict=True)):
+        behaviour = [(lp + 0.5 * (i in shifted)) * m for lp, m in zip(logps, s.loss_mask, strict=True)]
+        indexed.append((i, replace(s, behaviour_logprobs=behaviour)))
+    sums = RLStep(backend, trainer_cfg(backend=layout), pad_id=PAD).logprob_gaps(indexed[::-1], len(indexed))
+    for i, s in enumerate(samples):
+        tokens = sum(s.loss_mask)
+        assert sums[2 * i + 1] == tokens
+        assert sums[2 * i] == pytest.approx(0.5 * tokens if i in shifted else 0.0, abs=1e-4), i
+
+
+def test_a_version_snapshot_scores_the_weights_of_its_version_and_puts_the_live_ones_back() -> None:
+    from miles.training.snapshots import VersionSnapshots
+
+    backend = FsdpBackend(tiny_model(), trainer_cfg(lr=1e-2), 0, 1)
+    snapshots = VersionSnapshots(backend, keep=2)
+    samples = global_batch(0)
+    snapshots.take(0)
+    v0 = completion_logprobs(backend, samples)
+    run_steps(backend, trainer_cfg(lr=1e-2), 1)
+    snapshots.take(1)
+    v1, live = completion_logprobs(backend, samples), weights(backend)
+    assert v1 != v0
+    with snapshots.weights_of(0):
+        assert completion_logprobs(backend, samples) == v0
+    assert completion_logprobs(backend, samples) == v1
+    for name, value in weights(backend).items():
+        assert torch.equal(value, live[name]), name  # bitwise: the optimizer's weights are untouched
+    run_steps(backend, trainer_cfg(lr=1e-2), 1)
+    snapshots.take(2)  # keeps 2: version 0 is gone
+    assert 0 not in snapshots and 1 in snapshots
+    with pytest.raises(KeyError, match="no snapshot of version 0"), snapshots.weights_of(0):
+        pass
+
+
+def test_snapshots_in_rollout_precision_score_the_weights_as_workers_hold_them() -> None:
+    from miles.training.snapshots import VersionSnapshots
+
+    backend = FsdpBackend(tiny_model(), trainer_cfg(), 0, 1)
+    snapshots = VersionSnapshots(backend, keep=1, dtype=torch.bfloat16)
+    snapshots.take(0)
+    live = weights(backend)
+    worker = tiny_model()  # the same weights, sent in bfloat16
+    with torch.no_grad():
+        for param in worker.parameters():
+            param.copy_(param.to(torch.bfloat16).float())
+    samples = global_batch(0)
+    held = completion_logprobs(FsdpBackend(worker, trainer_cfg()), samples)
+    assert completion_logprobs(backend, samples) != held
+    with snapshots.weights_of(0):  # the current version, in the workers' precision
+        assert completion_logprobs(backend, samples) == held
+    for name, value in weights(backend).items():
+        assert torch.equal(value, live[name]), name  # the float32 weights are back, bit for bit
+
+
 def test_export_params_hf_names_and_values() -> None:
     model = tiny_model()
     reference = {k: v.clone() for k, v in model.state_dict().items()}

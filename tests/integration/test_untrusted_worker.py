@@ -26,7 +26,16 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from miles.bus.schema import Episode, EvalShardResult, EvalTask, PromptGroup, Trajectory, decode, encode
+from miles.bus.schema import (
+    Episode,
+    EvalShardResult,
+    EvalTask,
+    PromptGroup,
+    Trajectory,
+    WeightsAnnounced,
+    decode,
+    encode,
+)
 from miles.bus.server import EmbeddedNats
 from miles.bus.setup import setup_run
 from miles.bus.subjects import Subjects
@@ -113,16 +122,19 @@ async def _garbage_everywhere(nc: Client, js) -> int:  # noqa: ANN001
     return read
 
 
-async def _answer(js, msg: Msg, group: PromptGroup, ids: list[int], *, reward: float, worker_id: str) -> None:  # noqa: ANN001
+async def _answer(  # noqa: ANN001
+    js, msg: Msg, group: PromptGroup, ids: list[int], *, reward: float, worker_id: str, version: int | None = None
+) -> None:
     """Publish a trajectory for the pulled prompt group (its genuine ticket): every episode ``ids`` scored
-    ``reward``; then ack the prompt, as a worker does."""
+    ``reward``, sampled (it claims) under ``version`` (default: the version it was issued at) with made-up
+    log-probs; then ack the prompt, as a worker does."""
     episode = Episode(
         prompt_ids=[1, 2],
         token_ids=ids,
         loss_mask=[1] * len(ids),
         logprobs=[-0.5] * len(ids),
         turns=[(0, len(ids), "model")],
-        weight_version=group.issued_at_version,
+        weight_version=group.issued_at_version if version is None else version,
         reward=reward,
         status="ok",
         end_reason="done",
@@ -238,10 +250,17 @@ def test_a_dishonest_rollout_identity_cannot_crash_fake_or_suppress_anything(
     assert refused.get("untrusted", 0) >= SHARDS + 2 + 1, refused  # stolen shards, unrequested evals, trajectory
 
 
-async def _lie_on_every_second_trajectory(url: str, bundle: Path, cfg: RunConfig, done: asyncio.Event) -> list[bool]:
-    """A worker of its own ("rollout-evil") that answers prompt groups with a wrong answer, scored honestly on
-    its 1st, 3rd, ... trajectory and inflated (1 - the task's reward, still in range) on its 2nd, 4th, ...;
-    returns whether each trajectory it sent lied."""
+async def _dishonest_worker(
+    url: str, bundle: Path, cfg: RunConfig, done: asyncio.Event, *, worker_id: str, count: int, lies: str
+) -> list[bool]:
+    """A worker of its own that answers ``count`` prompt groups (early in the run: the trainer reads them all)
+    with the answer "99" and made-up log-probs, and returns whether each trajectory it sent lied:
+
+    * ``lies="rewards"``: sampled (it says) at the version issued, scored honestly on its 1st, 3rd, ...
+      trajectory and inflated (1 - the task's reward, still in range) on its 2nd, 4th, ...;
+    * ``lies="logprobs"``: every reward honest, every trajectory sampled (it says) under the weights before the
+      newest announced (a worker one version behind); its log-probs are all made up.
+    """
     from miles.models.loading import load_tokenizer, prepared_model_dir
     from miles.tasks.base import Sample
     from miles.tasks.registry import build_task
@@ -249,11 +268,17 @@ async def _lie_on_every_second_trajectory(url: str, bundle: Path, cfg: RunConfig
     task = build_task(cfg.task)
     tokenizer = load_tokenizer(prepared_model_dir(cfg.model, cfg.task))
     nc = await _connect(url, bundle, "rollout")
+    newest = [0]
+
+    async def announced(msg: Msg) -> None:
+        newest[0] = max(newest[0], decode(msg.data, WeightsAnnounced).version)
+
     sent: list[bool] = []
     try:
+        await nc.subscribe(S.weights, cb=announced)
         js = nc.jetstream(timeout=10.0)
         prompts = await js.pull_subscribe_bind(durable=S.ROLLOUT_CONSUMER, stream=S.prompts_stream)
-        while not done.is_set() and len(sent) < 4:  # early in the run: the trainer reads all four
+        while not done.is_set() and len(sent) < count:
             try:
                 (msg,) = await prompts.fetch(1, timeout=0.5)
             except asyncio.TimeoutError:
@@ -263,12 +288,52 @@ async def _lie_on_every_second_trajectory(url: str, bundle: Path, cfg: RunConfig
             text = tokenizer.decode(ids, skip_special_tokens=True)
             sample = Sample(id=group.sample_id, prompt=group.prompt, answer=group.answer, meta=group.meta)
             true = float(task.reward(text, sample))  # type: ignore[attr-defined]
-            lie = len(sent) % 2 == 1
-            await _answer(js, msg, group, ids, reward=1.0 - true if lie else true, worker_id="rollout-evil")
+            if lies == "rewards":
+                lie = len(sent) % 2 == 1
+                await _answer(js, msg, group, ids, reward=1.0 - true if lie else true, worker_id=worker_id)
+            else:
+                lie = True
+                version = max(newest[0] - 1, group.issued_at_version)  # one behind: the trainer kept it
+                await _answer(js, msg, group, ids, reward=true, worker_id=worker_id, version=version)
             sent.append(lie)
     finally:
         await nc.close()
     return sent
+
+
+def _run_with_a_dishonest_worker(
+    tmp_path: Path, server: EmbeddedNats, cfg: RunConfig, **attack: Any
+) -> tuple[Cluster, list[bool], dict[str, Any]]:
+    """A real run with one dishonest worker beside the genuine ones: its cluster, what it sent, the summary."""
+    from miles.prepare import prepare
+
+    asyncio.run(setup_run(cfg.bus, server.url, RUN))
+    prepare(cfg)
+    cluster = Cluster(cfg, tmp_path / "run", server.url)
+    assert cfg.bus.credentials_dir is not None
+
+    async def attack_during_the_run() -> list[bool]:
+        done = asyncio.Event()
+        bundle = Path(cfg.bus.credentials_dir)  # type: ignore[arg-type]
+        liar = asyncio.create_task(_dishonest_worker(server.url, bundle, cfg, done, **attack))
+        cluster.start_all()
+        summary = cluster.run_dir / "summary.json"
+        async with asyncio.timeout(300):
+            while not summary.exists() and not liar.done():
+                await asyncio.sleep(0.2)
+        done.set()
+        return await liar
+
+    try:
+        sent = asyncio.run(attack_during_the_run())
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster, sent, _completed(cluster, cfg.trainer.steps)
+
+
+def _excluded(cluster: Cluster) -> list[str]:
+    return [json.loads(x)["worker"] for x in cluster.log("trainer-0").splitlines() if '"audit_worker_excluded"' in x]
 
 
 @pytest.mark.slow
@@ -283,35 +348,41 @@ def test_the_reward_audit_excludes_a_worker_that_inflates_rewards(
         RUN,
         **{"trainer.steps": 10, "eval.every": 0, "bus.credentials_dir": str(bundle), "trainer.audit.rate": 1.0},
     )
-    asyncio.run(setup_run(cfg.bus, server.url, RUN))
-    from miles.prepare import prepare
-
-    prepare(cfg)
-    cluster = Cluster(cfg, tmp_path / "run", server.url)
-
-    async def attack_during_the_run() -> list[bool]:
-        done = asyncio.Event()
-        liar = asyncio.create_task(_lie_on_every_second_trajectory(server.url, bundle, cfg, done))
-        cluster.start_all()
-        summary = cluster.run_dir / "summary.json"
-        async with asyncio.timeout(300):
-            while not summary.exists() and not liar.done():
-                await asyncio.sleep(0.2)
-        done.set()
-        return await liar
-
-    try:
-        sent = asyncio.run(attack_during_the_run())
-    except BaseException:
-        cluster.stop()
-        raise
-    summary = _completed(cluster, 10)
+    cluster, sent, summary = _run_with_a_dishonest_worker(
+        tmp_path, server, cfg, worker_id="rollout-evil", count=4, lies="rewards"
+    )
     assert sent == [False, True, False, True], sent  # honest, lie, honest, lie
-    audit = summary["reward_audit"]
+    audit = summary["audit"]
     # Every trajectory was re-scored; only the liar's disagreed (the honest workers' rewards all matched).
     assert audit["audited"] >= 10 * cfg.trainer.groups_per_step
     assert audit["mismatches"] == 1 and audit["excluded_workers"] == 1, audit
     assert audit["refused_excluded"] == 2, (audit, sent)  # everything it sent after its first lie
-    assert any("reward audit" in alarm for alarm in summary["alarms"]), summary["alarms"]
-    excluded = [json.loads(x) for x in cluster.log("trainer-0").splitlines() if '"audit_worker_excluded"' in x]
-    assert [e["worker"] for e in excluded] == ["rollout-evil"]
+    assert audit["logprobs_checked"] == 0  # the log-prob audit is off
+    assert any("1 on rewards" in alarm for alarm in summary["alarms"]), summary["alarms"]
+    assert _excluded(cluster) == ["rollout-evil"]
+
+
+@pytest.mark.slow
+def test_the_log_prob_audit_excludes_a_worker_that_forges_behaviour_log_probs(
+    tmp_path: Path, secured: tuple[EmbeddedNats, Path], model_cache: Path
+) -> None:
+    """Every held trajectory's log-probs re-computed under the weights that sampled them (logprob_rate 1): the
+    honest workers' all agree with the trainer's forward; the forger, honest on rewards, is caught and excluded,
+    and what it sends afterwards is refused and re-issued."""
+    server, bundle = secured
+    cfg = small_run_config(
+        model_cache,
+        RUN,
+        **{"trainer.steps": 10, "eval.every": 0, "bus.credentials_dir": str(bundle), "trainer.audit.logprob_rate": 1},
+    )
+    cluster, sent, summary = _run_with_a_dishonest_worker(
+        tmp_path, server, cfg, worker_id="rollout-forger", count=6, lies="logprobs"
+    )
+    assert sent == [True] * 6, sent
+    audit = summary["audit"]
+    assert audit["audited"] == 0  # rewards are not re-scored
+    assert audit["logprobs_checked"] >= cfg.trainer.groups_per_step  # the honest workers' trajectories too
+    assert audit["excluded_workers"] == 1 and audit["mismatches"] == audit["logprob_mismatches"] >= 1, audit
+    assert audit["logprob_mismatches"] + audit["refused_excluded"] <= len(sent), audit
+    assert any("on log-probs" in alarm for alarm in summary["alarms"]), summary["alarms"]
+    assert _excluded(cluster) == ["rollout-forger"]  # the honest workers' log-probs never disagreed

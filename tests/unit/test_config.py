@@ -111,3 +111,12 @@ def test_miles_run_lists_three_mistakes_with_exit_2_and_no_traceback(tmp_path: P
     assert "3 problems" in proc.stderr
     for needle in ("trainer.stepz: unknown key", "trainer.lr:", "renamed: use rollout.groups_in_flight"):
         assert needle in proc.stderr, proc.stderr
+
+
+def test_the_log_prob_audit_needs_a_tolerance_where_workers_hold_quantized_weights() -> None:
+    audit = ["trainer.audit.logprob_rate=0.1"]
+    assert load_config(None, audit).rollout_weights_are_a_cast  # bfloat16: the trainer casts as workers do
+    with pytest.raises(ConfigError, match="trainer.audit.logprob_tolerance: required .*sync.dtype 'fp8_e4m3'"):
+        load_config(None, [*audit, "sync.dtype=fp8_e4m3"])
+    cfg = load_config(None, [*audit, "sync.dtype=fp8_e4m3", "trainer.audit.logprob_tolerance=0.3"])
+    assert not cfg.rollout_weights_are_a_cast and cfg.trainer.audit.logprob_tolerance == 0.3

@@ -145,6 +145,7 @@ async def test_trainer_collect_acts_on_classify(
     tr.group_filter, tr.shaper = None, None
     tr.counts = {"duplicates": 0, "generated_again": 0}
     tr._seen_seqs = RecentSet(keep=16)
+    tr.audit = None  # trainer.audit off
     discards: list[tuple[int, str, bool]] = []
 
     async def accept(m):

@@ -310,6 +310,10 @@ class MegatronBackend:
         dist.all_reduce(t, group=ps.get_data_parallel_group())
         return t.tolist()
 
+    def policy_tensors(self) -> list[Tensor]:
+        """This rank's (tensor/pipeline/expert-parallel) part of each trainable parameter of every chunk."""
+        return [p.data for chunk in self.model for p in chunk.parameters() if p.requires_grad]
+
     def export_params(self, *, adapter_only: bool = False) -> Iterator[tuple[str, Tensor]]:
         if adapter_only:
             raise ValueError("the Megatron backend trains no LoRA adapter")
