@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, Tag, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Tag, ValidationError, field_validator, model_validator
 
 from miles.algo.config import AlgoConfig  # the RL objective's sections live next to their code
 from miles.bus.urls import split_urls
-from miles.config_base import REWARD_RANGE_DOC, RewardRange, Strict, TaskBase, variant
+from miles.config_base import IMPORT_TAG, REWARD_RANGE_DOC, RewardRange, Strict, TaskBase, variant
 from miles.models.families.config import FamilyModelConfig
 from miles.sandbox.config import SandboxConfig
 from miles.security.config import BusSecurityFields
@@ -119,12 +119,46 @@ class CopyTaskConfig(TaskBase):
     seed: int = Field(0, description="Seed of the string and length generator.")
 
 
+class ImportTaskConfig(TaskBase):
+    """A task of your own, by import path (docs/extending.md): ``type: my_envs:GuessGame`` names a class (or a
+    factory) returning a :class:`miles.tasks.base.Task`; every other key of the section is an option of its
+    ``Config`` (a pydantic model, the class's ``Config`` attribute), validated when the recipe is loaded."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    type: str = Field(description="Import path 'package.module:Name' of the task class or factory.")
+
+    @model_validator(mode="after")
+    def _options(self) -> ImportTaskConfig:
+        self.options()  # a bad import path or option fails the recipe, not a worker later
+        return self
+
+    def options(self) -> BaseModel | None:
+        """The task's own options (the section's other keys) validated by its ``Config``; None without one."""
+        from miles.plugins import import_callable
+
+        target = import_callable(self.type, "task.type")
+        extra = dict(self.model_extra or {})
+        model = getattr(target, "Config", None)
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            if extra:
+                raise ValueError(
+                    f"unknown keys {', '.join(sorted(extra))}: {self.type} takes no options (give it a Config model)"
+                )
+            return None
+        try:
+            return model.model_validate(extra)
+        except ValidationError as err:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+            raise ValueError(f"{self.type} options: {problems}") from None
+
+
 TaskConfig = Annotated[
     Annotated[ArithmeticTaskConfig, Tag("arithmetic")]
     | Annotated[JsonlTaskConfig, Tag("jsonl")]
     | Annotated[CopyTaskConfig, Tag("copy")]
     | Annotated[ScratchpadTaskConfig, Tag("scratchpad")]
-    | Annotated[TerminalTaskConfig, Tag("terminal")],
+    | Annotated[TerminalTaskConfig, Tag("terminal")]
+    | Annotated[ImportTaskConfig, Tag(IMPORT_TAG)],
     _variant("arithmetic"),
 ]
 
@@ -729,12 +763,17 @@ def _describe(error: Any) -> str:
     loc = ".".join(str(p) for p in error["loc"] if not str(p).startswith("function-after"))
     # Discriminated unions put the tag ('tiny', 'fsdp') in the location; drop it for readability.
     loc = ".".join(p for p in loc.split(".") if p not in _variant_tags())
-    msg = error["msg"]
+    msg = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
         msg = f"unknown key; renamed: use {RENAMED_KEYS[loc]}" if loc in RENAMED_KEYS else "unknown key"
     elif error["type"] == "union_tag_invalid":
         ctx = error.get("ctx", {})
-        msg = f"unknown type {ctx.get('tag')!r}; expected one of {ctx.get('expected_tags')}"
+        tags = str(ctx.get("expected_tags"))
+        own = f"'{IMPORT_TAG}'" in tags
+        tags = tags.replace(f", '{IMPORT_TAG}'", "") + (", or 'package.module:Name' of your own" if own else "")
+        tag = ctx.get("tag")
+        what = "an import path is not taken here" if tag == IMPORT_TAG else f"unknown type {tag!r}"
+        msg = f"{what}; expected one of {tags}"
     return f"{loc}: {msg}" if loc else msg
 
 

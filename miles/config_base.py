@@ -36,12 +36,16 @@ class TaskBase(Strict):
         return value
 
 
+# The tag of a variant named by a user's import path (``type: package.module:Name``, miles.plugins).
+IMPORT_TAG = "import"
+
+
 def variant(default: str) -> Discriminator:
-    """Discriminate on ``type``; a section that omits ``type`` gets the default variant."""
+    """Discriminate on ``type``; a section that omits ``type`` gets the default variant, one whose ``type`` is
+    an import path the ``import`` variant (where the section takes one)."""
 
     def tag(value: Any) -> str:
-        if isinstance(value, dict):
-            return str(value.get("type", default))
-        return str(getattr(value, "type", default))
+        kind = str(value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default))
+        return IMPORT_TAG if ":" in kind else kind
 
     return Discriminator(tag)

@@ -103,9 +103,21 @@ def _build_tiny(cfg: RunConfig, task: Any, fingerprint: dict[str, Any], out_dir:
     tokenizer = build_char_tokenizer()
     renderer = Renderer(tokenizer, task.render)
     stop_id = turn_end_token(renderer, stop_token_ids(tokenizer))
-    examples = [demonstration_tokens(renderer, task.demonstration(s), stop_id) for s in task.samples("train")]
+    examples = [demonstration_tokens(renderer, _demonstration(task, s), stop_id) for s in task.samples("train")]
     accuracy = _accuracy_fn(cfg, task, renderer, tokenizer)
     return build_tiny_model_dir(cfg.model, out_dir, examples, accuracy, fingerprint)
+
+
+def _demonstration(task: Any, sample: Any) -> Any:
+    """The warm-up conversation of ``sample``; a :class:`PrepareError` naming it when the task has none (a Harbor
+    task of your own, a user's task whose ``demonstration`` raised)."""
+    try:
+        return task.demonstration(sample)
+    except Exception as exc:  # the task's code (a user's); the run cannot start either way: one line, no traceback
+        raise PrepareError(
+            f"model: the tiny model is warmed up on the task's demonstrations; for sample {sample.id!r} "
+            f"task.demonstration raised {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def _accuracy_fn(cfg: RunConfig, task: Any, renderer: Any, tokenizer: Any) -> Callable[[Any], float]:

@@ -12,7 +12,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor
 
-from miles.algo.registry import Registry
+from miles.plugins import Registry
 
 AdvantageKind = Literal["grpo", "grpo_no_std"]
 

@@ -21,7 +21,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from miles.algo.registry import Registry
+from miles.plugins import Registry
 
 
 class GroupFilter(Protocol):

@@ -18,8 +18,8 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor
 
-from miles.algo.registry import Registry
 from miles.algo.segments import broadcast, num_segments, rows_as_sequences, segment_sum
+from miles.plugins import Registry
 
 Aggregation = Literal["token", "sequence", "constant"]
 Surrogate = Literal["ppo_clip", "cispo", "gspo"]

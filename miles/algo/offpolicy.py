@@ -32,8 +32,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from miles.algo.registry import Registry
 from miles.algo.segments import broadcast, num_segments, rows_as_sequences, segment_sum
+from miles.plugins import Registry
 
 # Keys of the additive sums every correction returns (all over trained tokens).
 SUM_KEYS = ("is_tokens", "is_abs_log_ratio", "is_k3", "is_weight", "is_weight_sq", "is_clipped")

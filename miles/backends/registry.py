@@ -4,38 +4,51 @@ from __future__ import annotations
 
 from miles.backends.base import TrainBackend
 from miles.config import RunConfig
+from miles.plugins import Registry
 
 
 class BackendUnavailable(RuntimeError):
     """The configured backend cannot run here (no GPU, a missing extra); the message names what is missing."""
 
 
+BACKENDS: Registry[tuple[TrainBackend, int]] = Registry("training backend")  # factory(cfg, rank, world, addr, port)
+
+
 def build_backend(
     cfg: RunConfig, *, rank: int, world_size: int, master_addr: str, master_port: int
 ) -> tuple[TrainBackend, int]:
     """Join the trainer's process group, load the prepared policy and wrap it for training; returns the backend
-    and the pad token id.
+    and the pad token id."""
+    return BACKENDS.factory(cfg.trainer.backend.type)(cfg, rank, world_size, master_addr, master_port)
 
-    A one-rank trainer with float32 parameters joins no group: FSDP2 on one rank shards nothing, and its hooks
+
+@BACKENDS.register("megatron")
+def _megatron(
+    cfg: RunConfig, rank: int, world_size: int, master_addr: str, master_port: int
+) -> tuple[TrainBackend, int]:
+    from miles.backends.megatron import build_megatron_backend, megatron_unavailable_reason
+
+    reason = megatron_unavailable_reason(cfg)
+    if reason is not None:
+        raise BackendUnavailable(reason)
+    return build_megatron_backend(
+        cfg, rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port
+    )
+
+
+@BACKENDS.register("fsdp")
+def _fsdp(cfg: RunConfig, rank: int, world_size: int, master_addr: str, master_port: int) -> tuple[TrainBackend, int]:
+    """A one-rank trainer with float32 parameters joins no group: FSDP2 on one rank shards nothing, and its hooks
     and the all-reduce of every metric cost a fifth of the quickstart's step (benchmarks/RESULTS.md). With
     bfloat16 parameters it joins a one-rank group, since mixed precision is FSDP2's (MixedPrecisionPolicy).
     Checkpoints are the same DCP format either way, and load onto any rank count."""
-    backend_cfg = cfg.trainer.backend
-    if backend_cfg.type == "megatron":
-        from miles.backends.megatron import build_megatron_backend, megatron_unavailable_reason
-
-        reason = megatron_unavailable_reason(cfg)
-        if reason is not None:
-            raise BackendUnavailable(reason)
-        return build_megatron_backend(
-            cfg, rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port
-        )
     import torch
 
     from miles.backends.distributed import find_free_port, init_distributed
     from miles.backends.fsdp import FsdpBackend
     from miles.models.loading import load_policy, prepared_model_dir
 
+    backend_cfg = cfg.trainer.backend
     if world_size > 1 or backend_cfg.param_dtype != "float32":
         port = master_port if world_size > 1 else find_free_port()  # one rank: no rendezvous to agree on
         host = master_addr if world_size > 1 else "127.0.0.1"

@@ -50,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from miles.bus.errors import BusError
 from miles.bus.schema import SCHEMA_VERSION, Count, Message, SchemaError, encode
 from miles.models.tokenizer_facts import TOKENIZER_FILES, tokenizer_facts
+from miles.plugins import is_import_path
 
 RUN_KEY = "run"
 FILE_CHUNK_BYTES = 512 * 1024
@@ -91,14 +92,19 @@ class TaskInfo(_Part):
         pattern=r"^[0-9a-f]{64}$",
         description="SHA-256 hex of the task's config and data (miles.tasks.fingerprint), canonical JSON.",
     )
-    environment: Literal["single_turn", "terminal"] = Field(
+    environment: Literal["single_turn", "terminal", "python"] = Field(
         description="single_turn: one user message (the prompt), one model turn, a reward on the text; "
-        "terminal: multi-turn shell episodes in a sandbox (docs/agents.md)."
+        "terminal: multi-turn shell episodes in a sandbox (docs/agents.md); python: a user's task, imported from "
+        "the path its reward names (docs/extending.md)."
     )
-    render: Literal["raw", "chat"] = Field(description="raw: BOS + prompt text; chat: the chat template.")
+    render: Literal["raw", "chat"] | None = Field(
+        description="raw: BOS + prompt text; chat: the chat template; null: the task says when built (environment "
+        "python: a factory's task, or a class that sets it per instance)."
+    )
     reward: str = Field(
         description="exact_match or committed_answer (docs/protocol.md), python:<module:function> (a user's "
-        "reward, to be imported), harbor (the task folder's verifier in the sandbox)."
+        "reward, or with environment python a user's task, to be imported), harbor (the task folder's verifier in "
+        "the sandbox)."
     )
 
 
@@ -203,7 +209,13 @@ def task_info(task_cfg: Any) -> TaskInfo:
     from miles.tasks.fingerprint import task_fingerprint
 
     kind = task_cfg.type
-    if kind == "terminal":
+    if is_import_path(kind):  # a user's task: whoever plays it imports it
+        from miles.plugins import import_object
+
+        declared = getattr(import_object(kind, "task.type"), "render", None)
+        render = declared if declared in ("raw", "chat") else None
+        environment, reward = "python", f"python:{kind}"
+    elif kind == "terminal":
         environment, render, reward = "terminal", "chat", "harbor"
     elif kind == "jsonl":
         environment, render, reward = "single_turn", "raw", f"python:{task_cfg.reward}"

@@ -7,6 +7,54 @@ from pathlib import Path
 
 from miles.config import LoraConfig, SglangEngineConfig, TorchEngineConfig, VllmEngineConfig
 from miles.engines.base import Engine, StagingEngine
+from miles.plugins import Registry
+
+ENGINES: Registry[Engine] = Registry("engine")  # factory(cfg, model_dir, version, seed, work_dir)
+
+
+@ENGINES.register("torch")
+def _torch(
+    cfg: TorchEngineConfig, model_dir: str | Path, version: int, seed: int | None, work_dir: Path | None
+) -> Engine:
+    import torch
+
+    from miles.engines.torch_engine import TorchEngine
+    from miles.models.loading import load_policy
+
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    model, tokenizer = load_policy(model_dir, cfg.dtype, cfg.device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return TorchEngine(model, pad_token_id=pad if isinstance(pad, int) else 0, cfg=cfg, version=version, seed=seed)
+
+
+@ENGINES.register("sglang")
+def _sglang(
+    cfg: SglangEngineConfig, model_dir: str | Path, version: int, seed: int | None, work_dir: Path | None
+) -> Engine:
+    from miles.engines.sglang_engine import SglangEngine
+
+    max_context = cfg.max_context or checkpoint_context(model_dir)
+    return SglangEngine(cfg, version=version, max_context=max_context)
+
+
+@ENGINES.register("vllm")
+def _vllm(
+    cfg: VllmEngineConfig, model_dir: str | Path, version: int, seed: int | None, work_dir: Path | None
+) -> Engine:
+    from miles.engines.vllm.engine import VllmEngine
+
+    if work_dir is None:
+        raise ValueError("a vllm engine needs work_dir (its weight files and server log)")
+    max_context = cfg.max_context or checkpoint_context(model_dir) or 2048
+    return VllmEngine(
+        cfg,
+        model_dir,
+        version=version,
+        weights_dir=work_dir / "weights",
+        log_path=work_dir / "vllm.log",
+        max_context=max_context,
+    )
 
 
 def build_engine(
@@ -25,38 +73,8 @@ def build_engine(
     For ``vllm`` the engine starts (or joins) its server in ``start()``; ``work_dir`` holds its weight files and
     server log (``seed`` is the server's ``cfg.seed``).
     """
-    if cfg.type == "torch":
-        import torch
-
-        from miles.engines.torch_engine import TorchEngine
-        from miles.models.loading import load_policy
-
-        if cfg.threads is not None:
-            torch.set_num_threads(cfg.threads)
-        model, tokenizer = load_policy(model_dir, cfg.dtype, cfg.device)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return TorchEngine(model, pad_token_id=pad if isinstance(pad, int) else 0, cfg=cfg, version=version, seed=seed)
-    if cfg.type == "sglang":
-        from miles.engines.sglang_engine import SglangEngine
-
-        max_context = cfg.max_context or checkpoint_context(model_dir)
-        return SglangEngine(cfg, version=version, max_context=max_context)
-    if cfg.type == "vllm":
-        from miles.engines.vllm.engine import VllmEngine
-
-        if work_dir is None:
-            raise ValueError("a vllm engine needs work_dir (its weight files and server log)")
-        work = Path(work_dir)
-        max_context = cfg.max_context or checkpoint_context(model_dir) or 2048
-        return VllmEngine(
-            cfg,
-            model_dir,
-            version=version,
-            weights_dir=work / "weights",
-            log_path=work / "vllm.log",
-            max_context=max_context,
-        )
-    raise ValueError(f"unknown engine type {cfg.type!r}")
+    work = None if work_dir is None else Path(work_dir)
+    return ENGINES.factory(cfg.type)(cfg, model_dir, version, seed, work)
 
 
 def build_staging_engine(

@@ -8,25 +8,9 @@ and runs its ``check()``, so a host that cannot sandbox says so in one line and 
 
 from __future__ import annotations
 
-import importlib
-
+from miles.plugins import import_callable
 from miles.sandbox.base import SandboxProvider, SandboxUnavailable
 from miles.sandbox.config import BubblewrapConfig, ImportProviderConfig, SandboxConfig
-
-
-def load_factory(path: str) -> object:
-    """The object at import path ``"package.module:name"``; :class:`ValueError` (one line) if absent."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"sandbox provider factory {path!r}: expected 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"sandbox provider factory {path!r}: cannot import {module_name}: {exc}") from exc
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"sandbox provider factory {path!r}: {module_name} has no attribute {attr!r}") from None
 
 
 def build_provider(cfg: SandboxConfig | BubblewrapConfig | ImportProviderConfig | None = None) -> SandboxProvider:
@@ -36,9 +20,7 @@ def build_provider(cfg: SandboxConfig | BubblewrapConfig | ImportProviderConfig 
         from miles.sandbox.bubblewrap import BubblewrapProvider
 
         return BubblewrapProvider(provider_cfg)
-    factory = load_factory(provider_cfg.factory)
-    if not callable(factory):
-        raise ValueError(f"sandbox provider factory {provider_cfg.factory!r} is not callable")
+    factory = import_callable(provider_cfg.factory, "sandbox provider factory")
     provider = factory(**provider_cfg.options)
     missing = [name for name in ("check", "create") if not callable(getattr(provider, name, None))]
     if missing:

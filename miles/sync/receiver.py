@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.bus.client import KEY_TRAINER_VERSION
 from miles.engines.base import StagingEngine
+from miles.plugins import Registry
 from miles.sync.follower import WeightFollower
 from miles.sync.lora import lora_scale
-from miles.sync.sender import open_stores, registrar
+from miles.sync.sender import open_stores
 from miles.sync.transport.base import TransportBroken
 from miles.sync.transport.broadcast import BroadcastReceiver, join_run_group
 from miles.sync.transport.fs import FsTransport, fs_root
@@ -48,9 +49,8 @@ class ReceiverSide:
     group: BroadcastReceiver | None = None
 
 
-ReceiverFactory = Callable[[ReceiverContext], Awaitable[ReceiverSide]]
-RECEIVER_TRANSPORTS: dict[str, ReceiverFactory] = {}
-register_receiver = registrar(RECEIVER_TRANSPORTS, "weight receiver")  # the worker side of ``sync.transport: <name>``
+RECEIVER_TRANSPORTS: Registry[Awaitable[ReceiverSide]] = Registry("weight receiver")  # factory(ReceiverContext)
+register_receiver = RECEIVER_TRANSPORTS.register  # the worker side of ``sync.transport: <name>``
 
 
 @register_receiver("bus")
@@ -106,9 +106,7 @@ async def build_receiver(
     log: Any,
 ) -> WeightReceiver:
     """The worker's weight receiver for ``cfg.sync``, staging into ``engine`` through its weight sink."""
-    factory = RECEIVER_TRANSPORTS.get(cfg.sync.transport)
-    if factory is None:
-        raise ValueError(f"unknown sync.transport {cfg.sync.transport!r}; known: {', '.join(RECEIVER_TRANSPORTS)}")
+    factory = RECEIVER_TRANSPORTS.factory(cfg.sync.transport)
     store, delta_store = await open_stores(cfg, bus)
     lora = cfg.trainer.lora if cfg.sync.mode == "lora" else None
     sink = engine.weight_sink(cfg.sync.dtype, None if lora is None else lora_scale(lora))

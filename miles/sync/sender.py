@@ -13,15 +13,16 @@ trainer then calls :meth:`WeightSender.publish` and nothing else of sync. Transp
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from miles.bus.schema import WeightsAnnounced
 from miles.models.families.registry import family_of
+from miles.plugins import Registry
 from miles.sync.publisher import Lineage, Published, WeightPublisher, announce, delta_keep_versions
 from miles.sync.stream_export import PayloadLayout
 from miles.sync.transport.base import WeightTransport
@@ -49,27 +50,8 @@ class TransportContext:
     log: Any
 
 
-F = TypeVar("F")
-
-
-def registrar(table: dict[str, F], what: str) -> Callable[[str], Callable[[F], F]]:
-    """A decorator factory that registers factories in ``table`` by name (each name once)."""
-
-    def register(name: str) -> Callable[[F], F]:
-        def decorate(factory: F) -> F:
-            if name in table:
-                raise ValueError(f"{what} {name!r} is registered twice")
-            table[name] = factory
-            return factory
-
-        return decorate
-
-    return register
-
-
-TransportFactory = Callable[[TransportContext], Awaitable[WeightTransport]]
-TRANSPORTS: dict[str, TransportFactory] = {}
-register_transport = registrar(TRANSPORTS, "weight transport")  # the trainer side of ``sync.transport: <name>``
+TRANSPORTS: Registry[Awaitable[WeightTransport]] = Registry("weight transport")  # factory(TransportContext)
+register_transport = TRANSPORTS.register  # the trainer side of ``sync.transport: <name>``
 
 
 @register_transport("bus")
@@ -128,9 +110,7 @@ class WeightSender:
 
     async def connect(self, *, first_start: bool) -> None:
         """Open the full-mode payload transport of ``sync.transport`` (registered in :data:`TRANSPORTS`)."""
-        factory = TRANSPORTS.get(self.cfg.sync.transport)
-        if factory is None:
-            raise ValueError(f"unknown sync.transport {self.cfg.sync.transport!r}; known: {', '.join(TRANSPORTS)}")
+        factory = TRANSPORTS.factory(self.cfg.sync.transport)
         self.transport = await factory(TransportContext(self.cfg, self.run_dir, self.store, first_start, self.log))
 
     async def stored_versions(self) -> list[int]:

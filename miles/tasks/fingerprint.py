@@ -2,7 +2,8 @@
 
 The tiny model is warmed up on a task's demonstrations, so its cache key must change when the data does,
 not only when the config does: every config field named ``*_path`` or ``*_dir`` that points at an existing
-file or directory contributes the SHA-256 of its bytes (a directory: of every file, by relative path).
+file or directory contributes the SHA-256 of its bytes (a directory: of every file, by relative path), and a
+user's task or reward named by import path the SHA-256 of its module's source file.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 from typing import Any
+
+from miles.plugins import is_import_path, source_digest
 
 
 def _content_digest(path: Path) -> str:
@@ -29,4 +32,9 @@ def task_fingerprint(task_cfg: Any) -> dict[str, Any]:
         if (key.endswith("_path") or key.endswith("_dir")) and isinstance(value, str):
             path = Path(value).expanduser()
             fp[f"{key}_sha256"] = _content_digest(path) if path.exists() else None
+    # A user's task or reward module: editing it must not reuse a model warmed up on the old one.
+    for key in ("type", "reward"):
+        value = fp.get(key)
+        if isinstance(value, str) and is_import_path(value):
+            fp[f"{key}_source_sha256"] = source_digest(value)
     return fp

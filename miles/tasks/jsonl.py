@@ -6,13 +6,12 @@ file and line, not hours later inside a rollout worker.
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from miles.config import JsonlTaskConfig
+from miles.plugins import PluginError, import_callable
 from miles.tasks.base import Sample, TextTask
 
 RewardFn = Callable[[str, Sample], float]
@@ -24,22 +23,10 @@ class TaskError(ValueError):
 
 def load_reward_fn(spec: str) -> RewardFn:
     """Import ``'package.module:function'`` and check that it is callable."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise TaskError(f"reward {spec!r} must have the form 'package.module:function'")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise TaskError(f"reward {spec!r}: cannot import module {module_name!r} ({exc})") from None
-    obj: Any = module
-    for part in attr.split("."):  # allow 'module:Class.method'
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise TaskError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
-    if not callable(obj):
-        raise TaskError(f"reward {spec!r}: {attr!r} is not callable (it is a {type(obj).__name__})")
-    return obj
+        return import_callable(spec, "reward")
+    except PluginError as exc:
+        raise TaskError(str(exc)) from None
 
 
 def read_jsonl(path: str | Path, split: str, prompt_field: str, answer_field: str) -> list[Sample]:

@@ -1,4 +1,4 @@
-"""Build the task a config names (``cfg.type``)."""
+"""Build the task a config names: a built-in by ``type``, or a user's by import path (miles.plugins)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from miles.plugins import PluginError, Registry, import_callable, is_import_path
 from miles.sandbox.config import SandboxConfig
 from miles.tasks.base import Task
+
+TASKS: Registry[Task] = Registry("task")  # factory(cfg, sandbox) -> Task
+# What a task object must have (miles.tasks.base.Task), checked once when a user's task is built.
+TASK_MEMBERS = ("samples", "environment", "render", "demonstration", "check")
 
 
 def builtin_terminal_dir(builtin_cfg: Any) -> Path:
@@ -20,32 +25,65 @@ def builtin_terminal_dir(builtin_cfg: Any) -> Path:
     return base / key
 
 
+@TASKS.register("arithmetic")
+def _arithmetic(cfg: Any, sandbox: SandboxConfig) -> Task:
+    from miles.tasks.arithmetic import ArithmeticTask
+
+    return ArithmeticTask(cfg)
+
+
+@TASKS.register("jsonl")
+def _jsonl(cfg: Any, sandbox: SandboxConfig) -> Task:
+    from miles.tasks.jsonl import JsonlTask
+
+    return JsonlTask(cfg)
+
+
+@TASKS.register("copy")
+def _copy(cfg: Any, sandbox: SandboxConfig) -> Task:
+    from miles.tasks.copy import CopyTask
+
+    return CopyTask(cfg)
+
+
+@TASKS.register("scratchpad")
+def _scratchpad(cfg: Any, sandbox: SandboxConfig) -> Task:
+    from miles.tasks.scratchpad import ScratchpadTask
+
+    return ScratchpadTask(cfg)
+
+
+@TASKS.register("terminal")
+def _terminal(cfg: Any, sandbox: SandboxConfig) -> Task:
+    from miles.sandbox.registry import build_provider
+    from miles.tasks.terminal.task import load_terminal_tasks
+
+    builtin_dir = builtin_terminal_dir(cfg.builtin) if cfg.builtin is not None else None
+    return load_terminal_tasks(  # type: ignore[return-value]
+        cfg, build_provider(sandbox), sandbox.limits.to_limits(), builtin_dir=builtin_dir
+    )
+
+
+def user_task(cfg: Any) -> Task:
+    """A user's task: the class or factory at ``cfg.type``, called with its validated options (if it has a
+    ``Config``); a one-line :class:`PluginError` when what it returns is not a task."""
+    target = import_callable(cfg.type, "task.type")
+    options = cfg.options()
+    task = target() if options is None else target(options)
+    missing = [name for name in TASK_MEMBERS if not hasattr(task, name)]
+    if missing:
+        raise PluginError(
+            f"task.type {cfg.type!r} made a {type(task).__name__}, which lacks {', '.join(missing)} "
+            "(a task: miles.tasks.base.Task, docs/extending.md)"
+        )
+    if task.render not in ("raw", "chat"):
+        raise PluginError(f"task.type {cfg.type!r}: render must be 'raw' or 'chat', not {task.render!r}")
+    return task
+
+
 def build_task(cfg: Any, *, sandbox: SandboxConfig | None = None) -> Task:
     """The :class:`Task` for ``cfg``; JSONL files, reward imports and task folders are validated here.
     ``sandbox`` (``rollout.sandbox``) is where a terminal task's commands run."""
-    if cfg.type == "arithmetic":
-        from miles.tasks.arithmetic import ArithmeticTask
-
-        return ArithmeticTask(cfg)
-    if cfg.type == "jsonl":
-        from miles.tasks.jsonl import JsonlTask
-
-        return JsonlTask(cfg)
-    if cfg.type == "copy":
-        from miles.tasks.copy import CopyTask
-
-        return CopyTask(cfg)
-    if cfg.type == "scratchpad":
-        from miles.tasks.scratchpad import ScratchpadTask
-
-        return ScratchpadTask(cfg)
-    if cfg.type == "terminal":
-        from miles.sandbox.registry import build_provider
-        from miles.tasks.terminal.task import load_terminal_tasks
-
-        sandbox = sandbox or SandboxConfig()
-        builtin_dir = builtin_terminal_dir(cfg.builtin) if cfg.builtin is not None else None
-        return load_terminal_tasks(  # type: ignore[return-value]
-            cfg, build_provider(sandbox), sandbox.limits.to_limits(), builtin_dir=builtin_dir
-        )
-    raise ValueError(f"unknown task type {cfg.type!r}")
+    if is_import_path(cfg.type):
+        return user_task(cfg)
+    return TASKS.factory(cfg.type)(cfg, sandbox or SandboxConfig())  # type: ignore[call-arg]

@@ -11,8 +11,8 @@ from pydantic import ValidationError
 
 from miles.algo.losses import policy_loss
 from miles.algo.offpolicy import METRIC_KEYS, SUM_KEYS, build_correction, correct_rows, summarize
-from miles.algo.registry import AlgoConfigError
 from miles.config import AlgoConfig, ConfigError, load_config
+from miles.plugins import PluginError
 
 OFF_POLICY_MODES = ("none", "behaviour_ratio", "masked_is", "sequence", "decoupled_ppo")
 CFG = SimpleNamespace(clip=2.0, low=0.5, high=2.0)
@@ -115,7 +115,7 @@ def test_weights_are_detached_and_keep_the_dtype() -> None:
 
 def test_unknown_mode_raises() -> None:
     prox, behaviour = _logps()
-    with pytest.raises(AlgoConfigError, match="unknown off-policy correction 'vtrace'"):
+    with pytest.raises(PluginError, match="unknown off-policy correction 'vtrace'"):
         importance_weights("vtrace", prox, behaviour, MASK, CFG)
 
 
@@ -269,7 +269,7 @@ def test_a_users_correction_by_import_path() -> None:
     algo = AlgoConfig(off_policy={"type": "custom", "path": "tests.unit.test_offpolicy:halving", "params": {"f": 0.5}})
     out = correct_rows(build_correction(algo.off_policy), *_logps(), MASK)
     torch.testing.assert_close(out.token_weights, MASK.to(F64) * 0.5)
-    with pytest.raises(AlgoConfigError, match="cannot import module"):
+    with pytest.raises(PluginError, match="cannot import module"):
         build_correction(AlgoConfig(off_policy={"type": "custom", "path": "no_such_mod:f"}).off_policy)
 
 

@@ -63,7 +63,7 @@ def test_import_provider_gets_its_options() -> None:
 @pytest.mark.parametrize(
     ("factory", "message"),
     [
-        ("nocolon", "expected 'package.module:function'"),
+        ("nocolon", "must have the form 'package.module:name'"),
         ("no_such_module_xyz:f", "cannot import"),
         (f"{__name__}:absent", "has no attribute"),
         (f"{__name__}:make_nothing", "lacks check, create"),

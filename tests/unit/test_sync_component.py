@@ -26,8 +26,8 @@ def run_config(tmp_path: Path, yaml: str) -> RunConfig:
 
 def test_every_configurable_transport_has_both_sides() -> None:
     names = set(typing.get_args(SyncConfig.model_fields["transport"].annotation))
-    assert set(sender.TRANSPORTS) == names
-    assert set(receiver.RECEIVER_TRANSPORTS) == names
+    assert set(sender.TRANSPORTS.names) == names
+    assert set(receiver.RECEIVER_TRANSPORTS.names) == names
 
 
 @pytest.mark.parametrize(
@@ -60,9 +60,11 @@ async def test_the_trainer_and_the_workers_join_one_group_with_one_backend(
 
     monkeypatch.setattr("miles.sync.transport.broadcast.WeightUpdateGroup.join", join)
     log = structlog.get_logger()
-    await sender.TRANSPORTS["broadcast"](sender.TransportContext(cfg, tmp_path, store=None, first_start=True, log=log))  # type: ignore[arg-type]
+    await sender.TRANSPORTS.factory("broadcast")(
+        sender.TransportContext(cfg, tmp_path, store=None, first_start=True, log=log)
+    )  # type: ignore[arg-type]
     ctx = receiver.ReceiverContext(cfg, NoVersionYet(), tmp_path, group_rank=1, log=log)  # type: ignore[arg-type]
-    side = await receiver.RECEIVER_TRANSPORTS["broadcast"](ctx)
+    side = await receiver.RECEIVER_TRANSPORTS.factory("broadcast")(ctx)
     assert side.group is not None
     assert joined == [(0, backend), (1, backend)]
 

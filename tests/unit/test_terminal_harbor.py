@@ -93,3 +93,20 @@ def test_empty_or_missing_directories_and_duplicate_names(tmp_path: Path) -> Non
     make_task(tmp_path / "two", toml='[task]\nname = "same"\n')
     with pytest.raises(TaskFormatError, match="also used by"):
         load_tasks(tmp_path)
+
+
+def test_a_tiny_model_cannot_warm_up_on_a_users_harbor_task_and_prepare_says_so_in_one_line(tmp_path: Path) -> None:
+    from miles.config import load_config
+    from miles.prepare import PrepareError, prepare
+
+    for split in ("train", "eval"):
+        make_task(tmp_path / split / "t0")
+    overrides = [
+        "task.type=terminal",
+        f"task.train_dir={tmp_path / 'train'}",
+        f"task.eval_dir={tmp_path / 'eval'}",
+        f"model.cache_dir={tmp_path / 'models'}",
+    ]
+    with pytest.raises(PrepareError, match=r"model: .*'train:t0' is a Harbor task of your own: .*pretrained") as e:
+        prepare(load_config(None, overrides))
+    assert "\n" not in str(e.value)

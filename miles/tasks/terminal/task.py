@@ -19,7 +19,7 @@ from typing import Literal
 from miles.rollout.env import ChatMessage, EpisodeSpec
 from miles.sandbox.base import SandboxLimits, SandboxProvider
 from miles.tasks.base import Sample
-from miles.tasks.terminal.builtin import demonstrations, generate
+from miles.tasks.terminal.builtin import METADATA_KEY, demonstrations, generate
 from miles.tasks.terminal.config import BuiltinTerminalConfig, TerminalTaskConfig
 from miles.tasks.terminal.env import TerminalEnv
 from miles.tasks.terminal.harbor import HarborTask, load_tasks
@@ -69,7 +69,13 @@ class TerminalTasks:
 
     def demonstration(self, sample: Sample) -> list[ChatMessage]:
         """A correct conversation (built-in tasks only: a user's Harbor task has no known transcript)."""
-        return demonstrations(self.task(sample.id), system_prompt=self.system_prompt, role=self.observation_role)
+        task = self.task(sample.id)
+        if METADATA_KEY not in task.metadata:
+            raise ValueError(
+                f"task {sample.id!r} is a Harbor task of your own: no transcript is known to warm up a tiny model "
+                "on; train a pretrained model on it (model.type: pretrained, docs/agents.md)"
+            )
+        return demonstrations(task, system_prompt=self.system_prompt, role=self.observation_role)
 
     def check(self) -> None:
         """One line and :class:`SandboxUnavailable` if no sandbox can start here: agents' commands never run
