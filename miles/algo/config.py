@@ -124,10 +124,31 @@ class CispoLoss(Strict):
     )
 
 
+class SurrogateLoss(Strict):
+    """Your own per-token term inside Miles' assembly (docs/algorithms.md, "Your own per-token surrogate"):
+    ``path`` names ``fn(log_ratio, advantages, mask, seq_index, **params) -> term`` (or ``(term, clipped)``),
+    every tensor ``(R, L)``; Miles applies the off-policy correction's weights and truncation, the aggregation,
+    the KL and entropy terms and the metrics, exactly as for its own surrogates."""
+
+    type: Literal["surrogate"] = "surrogate"
+    path: str = Field(description="Import path 'package.module:function' of the per-token term.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the function.")
+    aggregation: Literal["token", "sequence", "constant"] = Field("token", description="As for ppo_clip.")
+    constant_tokens: int | None = Field(None, ge=1, description="As for ppo_clip.")
+
+    @model_validator(mode="after")
+    def _importable(self) -> SurrogateLoss:
+        from miles.plugins import import_callable
+
+        import_callable(self.path, "trainer.algo.loss.path")  # a wrong path fails the recipe, not a step
+        return self
+
+
 LossConfig = Annotated[
     Annotated[PpoClipLoss, Tag("ppo_clip")]
     | Annotated[GspoLoss, Tag("gspo")]
     | Annotated[CispoLoss, Tag("cispo")]
+    | Annotated[SurrogateLoss, Tag("surrogate")]
     | Annotated[CustomPiece, Tag("custom")],
     variant("ppo_clip"),
 ]

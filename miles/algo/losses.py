@@ -12,6 +12,8 @@ weights of the off-policy correction, aggregation, the KL and entropy terms, the
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -19,10 +21,13 @@ import torch
 from torch import Tensor
 
 from miles.algo.segments import broadcast, num_segments, rows_as_sequences, segment_sum
-from miles.plugins import Registry
+from miles.plugins import Registry, import_callable
 
 Aggregation = Literal["token", "sequence", "constant"]
-Surrogate = Literal["ppo_clip", "cispo", "gspo"]
+# A user's per-token term (trainer.algo.loss type surrogate): (log_ratio, advantages, mask, seq_index) -> the
+# term, or (term, where it clipped); every tensor (R, L).
+SurrogateFn = Callable[[Tensor, Tensor, Tensor, Tensor], "Tensor | tuple[Tensor, Tensor]"]
+Surrogate = Literal["ppo_clip", "cispo", "gspo"] | SurrogateFn
 
 
 @dataclass(slots=True)
@@ -134,7 +139,9 @@ def policy_loss(
             ``"constant"``: sum over masked tokens / (sequences x ``constant_tokens``), no length
             normalisation at all (Dr. GRPO).
         surrogate: the per-token term: ``"ppo_clip"`` (:func:`ppo_surrogate`), ``"cispo"``
-            (:func:`cispo_surrogate`) or ``"gspo"`` (:func:`gspo_surrogate`, sequence ratios).
+            (:func:`cispo_surrogate`), ``"gspo"`` (:func:`gspo_surrogate`, sequence ratios), or a user's
+            function of ``(log_ratio, advantages, mask, seq_index)`` (:data:`SurrogateFn`; the ratio truncated
+            at ``ratio_cap``, the clip bounds unused).
         constant_tokens: the per-sequence divisor of ``"constant"`` aggregation.
         ref_logp: ``(B, T)`` reference-policy log-probs; needed when ``kl_coef > 0``.
         kl_coef: weight of the k3 estimator ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, unbiased).
@@ -160,7 +167,7 @@ def policy_loss(
         raise ValueError(f"unknown aggregation {aggregation!r}")
     if aggregation == "constant" and (constant_tokens is None or constant_tokens < 1):
         raise ValueError("aggregation 'constant' needs constant_tokens >= 1")
-    if surrogate not in ("ppo_clip", "cispo", "gspo"):
+    if not callable(surrogate) and surrogate not in ("ppo_clip", "cispo", "gspo"):
         raise ValueError(f"unknown surrogate {surrogate!r}")
     if kl_coef > 0 and ref_logp is None:
         raise ValueError("kl_coef > 0 needs ref_logp")
@@ -182,7 +189,9 @@ def policy_loss(
         cap = torch.log(torch.as_tensor(ratio_cap, dtype=logp.dtype))
         truncated = log_ratio.detach() > cap
         capped = torch.clamp(log_ratio, max=cap)
-    if surrogate == "ppo_clip":
+    if callable(surrogate):
+        pg, clipped = _user_surrogate(surrogate, capped, adv.expand_as(log_ratio), mask, seqs)
+    elif surrogate == "ppo_clip":
         pg, clipped = ppo_surrogate(capped, adv, clip_low, clip_high)
     elif surrogate == "cispo":  # the cap bounds CISPO's weight, never its gradient
         pg, clipped = cispo_surrogate(log_ratio, adv, clip_low, clip_high, ratio_cap, *cispo_mask)
@@ -233,6 +242,19 @@ def policy_loss(
         "entropy": ent.detach(),
     }
     return PolicyLossOutput(loss=loss, metrics=metrics)
+
+
+def _user_surrogate(
+    fn: SurrogateFn, log_ratio: Tensor, adv: Tensor, mask: Tensor, seq_index: Tensor
+) -> tuple[Tensor, Tensor]:
+    """A user's per-token term and where it clipped (nowhere, unless it says), checked for shape."""
+    out = fn(log_ratio, adv, mask, seq_index)
+    term, clipped = out if isinstance(out, tuple) else (out, torch.zeros_like(log_ratio, dtype=torch.bool))
+    if not isinstance(term, Tensor) or term.shape != log_ratio.shape:
+        shape = tuple(term.shape) if isinstance(term, Tensor) else type(term).__name__
+        want = tuple(log_ratio.shape)
+        raise ValueError(f"trainer.algo.loss surrogate returned {shape}, not one term per token {want}")
+    return term, clipped.to(torch.bool)
 
 
 def _normaliser(given: float | Tensor | None, local: Tensor, like: Tensor) -> Tensor:
@@ -315,6 +337,14 @@ def ppo_clip(cfg: Any) -> PolicyLoss:
 def cispo(cfg: Any) -> PolicyLoss:
     """:func:`cispo_surrogate` with the section's weight bounds and aggregation."""
     return _loss("cispo", cfg.clip_low, cfg.clip_high, cfg.aggregation, cispo_mask=(cfg.mask_low, cfg.mask_high))
+
+
+@POLICY_LOSSES.register("surrogate")
+def surrogate(cfg: Any) -> PolicyLoss:
+    """A user's per-token term (``cfg.path``, called with ``cfg.params``) in :func:`policy_loss`'s assembly."""
+    fn = import_callable(cfg.path, "trainer.algo.loss.path")
+    term = functools.partial(fn, **cfg.params) if cfg.params else fn
+    return _loss(term, 0.0, 0.0, cfg.aggregation, constant_tokens=cfg.constant_tokens)
 
 
 @POLICY_LOSSES.register("gspo")

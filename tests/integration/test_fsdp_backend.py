@@ -110,6 +110,20 @@ def test_positive_advantage_raises_logprob_and_masked_tokens_do_not_train() -> N
     assert step.steps_done == 5
 
 
+def test_a_users_per_token_surrogate_trains() -> None:
+    """A two-line per-token term by import path (tests/unit/test_losses.py) steps the policy like Miles' own."""
+    loss = {"type": "surrogate", "path": "tests.unit.test_losses:scaled_reinforce", "params": {"scale": 1.0}}
+    cfg = trainer_cfg(lr=1e-2, off_policy="none", loss=loss)
+    backend = FsdpBackend(tiny_model(), cfg, 0, 1)
+    sample = TrainSample([1, 2, 3], [4, 5, 6, 7], [1, 1, 0, 0], [0.0] * 4, advantage=1.0)
+    before = completion_logprobs(backend, [sample])[0]
+    step = RLStep(backend, cfg, pad_id=PAD)
+    metrics = [step.run([[sample]]) for _ in range(5)]
+    after = completion_logprobs(backend, [sample])[0]
+    assert after[0] > before[0] and after[1] > before[1]  # the trained tokens rose
+    assert all(m["pg_loss"] < 0 for m in metrics) and step.steps_done == 5
+
+
 def test_scores_equal_the_models_own_logits() -> None:
     """Chunked log-probs of packed rows are the full-logits log-softmax of each sequence alone."""
     model = tiny_model()

@@ -168,3 +168,60 @@ def test_token_logprobs_and_entropy() -> None:
     torch.testing.assert_close(token_entropy(torch.zeros(1, 1, 5)), torch.full((1, 1), math.log(5)))
     with pytest.raises(ValueError):
         token_logprobs(logits, targets, temperature=0.0)
+
+
+def scaled_reinforce(
+    log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor, *, scale: float
+) -> torch.Tensor:  # noqa: E501
+    """A user's per-token idea in one line: ``-scale * A * r``, no clip."""
+    return -scale * adv * torch.exp(log_ratio)
+
+
+def test_a_users_per_token_surrogate_gets_miles_weights_aggregation_kl_entropy_and_metrics() -> None:
+    from miles.algo.config import AlgoConfig
+    from miles.algo.losses import LossInputs
+    from miles.algo.objective import Objective
+
+    loss_cfg = {"type": "surrogate", "path": f"{__name__}:scaled_reinforce", "params": {"scale": 2.0}}
+    objective = Objective(AlgoConfig.model_validate({"loss": loss_cfg, "kl_coef": 0.1, "entropy_coef": 0.01}))
+    logp = _leaf([[-1.0, -0.5, -2.0], [-0.3, -0.7, 0.0]])
+    base = torch.tensor([[-1.2, -0.5, -1.0], [-0.3, -0.9, 0.0]], dtype=torch.float64)
+    ref = torch.tensor([[-1.1, -0.4, -1.5], [-0.5, -0.6, 0.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-0.5, -0.5, -0.5]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    weights = torch.tensor([[1.0, 0.5, 1.0], [2.0, 1.0, 1.0]], dtype=torch.float64)  # the correction's
+    entropy = torch.tensor([[0.8, 0.6, 0.1], [1.0, 0.2, 0.3]], dtype=torch.float64, requires_grad=True)
+    seq_index = torch.tensor([[0, 0, -1], [1, 1, -1]])
+    inputs = LossInputs(
+        logp, base, adv, mask, seq_index, num_tokens=4.0, num_sequences=2.0, ref_logp=ref, entropy=entropy,
+        token_weights=weights, kl_coef=0.1, entropy_coef=0.01,
+    )  # fmt: skip
+    out = objective.policy_loss(inputs)
+    out.loss.backward()
+    # By hand, token aggregation over the 4 masked tokens: d/dlogp = m/4 * (-2 A r w + 0.1 (1 - exp(ref - logp))).
+    ratio = torch.exp(logp.detach() - base)
+    want = mask / 4 * (-2.0 * adv * ratio * weights + 0.1 * (1 - torch.exp(ref - logp.detach())))
+    torch.testing.assert_close(logp.grad, want)
+    torch.testing.assert_close(entropy.grad, -0.01 * mask / 4)  # the entropy bonus, Miles' own
+    pg = (mask * -2.0 * adv * ratio * weights).sum() / 4
+    assert out.metrics["pg_loss"].item() == pytest.approx(pg.item())
+    assert out.metrics["clip_frac"].item() == 0.0 and out.metrics["kl_ref"].item() > 0
+
+
+def one_number(log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
+    return log_ratio.sum()  # a scalar, not a term per token
+
+
+def test_a_surrogate_of_the_wrong_shape_or_path_is_refused_in_one_line() -> None:
+    from pydantic import ValidationError
+
+    from miles.algo.config import AlgoConfig
+    from miles.algo.losses import LossInputs
+    from miles.algo.objective import Objective
+
+    with pytest.raises(ValidationError, match="trainer.algo.loss.path 'nowhere_xyz:f': cannot import"):
+        AlgoConfig.model_validate({"loss": {"type": "surrogate", "path": "nowhere_xyz:f"}})
+    cfg = AlgoConfig.model_validate({"loss": {"type": "surrogate", "path": f"{__name__}:one_number"}})
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match=r"returned \(\), not one term per token \(1, 2\)"):
+        Objective(cfg).policy_loss(LossInputs(x, x, x, torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.long), 2.0, 1.0))
