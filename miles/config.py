@@ -101,6 +101,26 @@ class JsonlTaskConfig(TaskBase):
     )
 
 
+class AgentTaskConfig(TaskBase):
+    """A black-box agent of your own (docs/agents.md, "Agents of your own"): ``agent`` names
+    ``async def run_agent(base_url, sample) -> reward``, which talks to an OpenAI-compatible chat endpoint the
+    rollout worker serves for each episode; the samples are JSONL rows as for ``jsonl``."""
+
+    type: Literal["agent"] = "agent"
+    agent: str = Field(description="The agent: import path 'package.module:function' of run_agent(base_url, sample).")
+    train_path: str = Field(description="JSONL file of training rows.")
+    eval_path: str = Field(description="JSONL file of held-out rows.")
+    prompt_field: str = Field("prompt", description="Row key holding the prompt (the sample's prompt).")
+    answer_field: str = Field("answer", description="Row key holding the reference answer.")
+
+    @model_validator(mode="after")
+    def _importable(self) -> AgentTaskConfig:
+        from miles.plugins import import_callable
+
+        import_callable(self.agent, "task.agent")  # a wrong path fails the recipe, not a worker later
+        return self
+
+
 class CopyTaskConfig(TaskBase):
     """Built-in task with long-tailed generation lengths: copy a digit string ("3141=" -> "3141").
 
@@ -158,6 +178,7 @@ TaskConfig = Annotated[
     | Annotated[CopyTaskConfig, Tag("copy")]
     | Annotated[ScratchpadTaskConfig, Tag("scratchpad")]
     | Annotated[TerminalTaskConfig, Tag("terminal")]
+    | Annotated[AgentTaskConfig, Tag("agent")]
     | Annotated[ImportTaskConfig, Tag(IMPORT_TAG)],
     _variant("arithmetic"),
 ]

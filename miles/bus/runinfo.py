@@ -92,10 +92,11 @@ class TaskInfo(_Part):
         pattern=r"^[0-9a-f]{64}$",
         description="SHA-256 hex of the task's config and data (miles.tasks.fingerprint), canonical JSON.",
     )
-    environment: Literal["single_turn", "terminal", "python"] = Field(
+    environment: Literal["single_turn", "terminal", "python", "agent"] = Field(
         description="single_turn: one user message (the prompt), one model turn, a reward on the text; "
         "terminal: multi-turn shell episodes in a sandbox (docs/agents.md); python: a user's task, imported from "
-        "the path its reward names (docs/extending.md)."
+        "the path its reward names (docs/extending.md); agent: a user's agent through the worker's chat endpoint, "
+        "imported from the path its reward names (docs/agents.md)."
     )
     render: Literal["raw", "chat"] | None = Field(
         description="raw: BOS + prompt text; chat: the chat template; null: the task says when built (environment "
@@ -215,6 +216,8 @@ def task_info(task_cfg: Any) -> TaskInfo:
         declared = getattr(import_object(kind, "task.type"), "render", None)
         render = declared if declared in ("raw", "chat") else None
         environment, reward = "python", f"python:{kind}"
+    elif kind == "agent":  # a user's agent through the worker's chat endpoint
+        environment, render, reward = "agent", "chat", f"python:{task_cfg.agent}"
     elif kind == "terminal":
         environment, render, reward = "terminal", "chat", "harbor"
     elif kind == "jsonl":

@@ -33,7 +33,7 @@ def task_fingerprint(task_cfg: Any) -> dict[str, Any]:
             path = Path(value).expanduser()
             fp[f"{key}_sha256"] = _content_digest(path) if path.exists() else None
     # A user's task or reward module: editing it must not reuse a model warmed up on the old one.
-    for key in ("type", "reward"):
+    for key in ("type", "reward", "agent"):
         value = fp.get(key)
         if isinstance(value, str) and is_import_path(value):
             fp[f"{key}_source_sha256"] = source_digest(value)

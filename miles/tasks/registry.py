@@ -53,6 +53,13 @@ def _scratchpad(cfg: Any, sandbox: SandboxConfig) -> Task:
     return ScratchpadTask(cfg)
 
 
+@TASKS.register("agent")
+def _agent(cfg: Any, sandbox: SandboxConfig) -> Task:
+    from miles.tasks.agent import AgentTask
+
+    return AgentTask(cfg)
+
+
 @TASKS.register("terminal")
 def _terminal(cfg: Any, sandbox: SandboxConfig) -> Task:
     from miles.sandbox.registry import build_provider

@@ -87,7 +87,8 @@ def test_a_registry_builds_built_ins_by_name_and_a_users_factory_by_path() -> No
     assert registry.factory(f"{HERE}:not_a_task") is not_a_task
     with pytest.raises(PluginError, match="unknown widget 'fancy'; known: plain, or 'package.module:name'"):
         registry.factory("fancy")
-    assert set(TASKS.names) == {"arithmetic", "jsonl", "copy", "scratchpad", "terminal"}  # built-ins, same seam
+    builtins = {"arithmetic", "jsonl", "copy", "scratchpad", "agent", "terminal"}
+    assert set(TASKS.names) == builtins  # built-ins register through the same seam
 
 
 def test_a_users_task_is_named_by_import_path_and_its_options_validated_by_its_config() -> None:

@@ -1,0 +1,43 @@
+"""A black-box agent's task: JSONL samples, one :class:`~miles.rollout.agent_env.AgentEnv` per episode."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from miles.config import AgentTaskConfig
+from miles.plugins import import_callable
+from miles.rollout.agent_env import AgentEnv
+from miles.rollout.env import ChatMessage, EpisodeSpec
+from miles.tasks.base import Sample
+from miles.tasks.jsonl import read_jsonl
+
+
+class AgentTask:
+    """``task.type: agent``: the agent at ``cfg.agent`` plays every episode through the worker's chat endpoint."""
+
+    render: Literal["raw", "chat"] = "chat"
+
+    def __init__(self, cfg: AgentTaskConfig) -> None:
+        self.cfg = cfg
+        self.agent = import_callable(cfg.agent, "task.agent")
+        self._splits = {
+            "train": read_jsonl(cfg.train_path, "train", cfg.prompt_field, cfg.answer_field),
+            "eval": read_jsonl(cfg.eval_path, "eval", cfg.prompt_field, cfg.answer_field),
+        }
+
+    def samples(self, split: str) -> list[Sample]:
+        if split not in self._splits:
+            raise ValueError(f"unknown split {split!r}; expected 'train' or 'eval'")
+        return list(self._splits[split])
+
+    def environment(self, spec: EpisodeSpec) -> AgentEnv:
+        sample = Sample(id=spec.sample_id, prompt=spec.prompt, answer=spec.answer, meta=dict(spec.meta))
+        return AgentEnv(self.agent, sample)
+
+    def demonstration(self, sample: Sample) -> list[ChatMessage]:
+        """For the tiny model's warm-up only: the prompt answered with the reference answer (an agent's own
+        transcripts are not known)."""
+        return [{"role": "user", "content": sample.prompt}, {"role": "assistant", "content": sample.answer}]
+
+    def check(self) -> None:
+        """Nothing to start: the agent runs in the worker's process."""
