@@ -85,15 +85,20 @@ class ArithmeticTaskConfig(TaskBase):
     seed: int = Field(0, description="Seed of the problem generator.")
 
 
-class JsonlTaskConfig(TaskBase):
+class JsonlData(TaskBase):
+    """Samples from JSONL files (one row per sample; other fields go to ``sample.meta``)."""
+
+    train_path: str = Field(description="JSONL file of training rows.")
+    eval_path: str = Field(description="JSONL file of held-out rows.")
+    prompt_field: str = Field("prompt", description="Row key holding the prompt text.")
+    answer_field: str = Field("answer", description="Row key holding the reference answer.")
+
+
+class JsonlTaskConfig(JsonlData):
     """User task: JSONL files of prompts and a reward function given by import path."""
 
     type: Literal["jsonl"] = "jsonl"
-    train_path: str = Field(description="JSONL file of training rows.")
-    eval_path: str = Field(description="JSONL file of held-out rows.")
     reward: str = Field(description="Reward function 'package.module:function(completion, sample) -> float'.")
-    prompt_field: str = Field("prompt", description="Row key holding the prompt text.")
-    answer_field: str = Field("answer", description="Row key holding the reference answer.")
     reward_range: RewardRange | None = Field(
         None,
         description=REWARD_RANGE_DOC + " Declare it when workers are not all trusted: a user's reward has no "
@@ -101,17 +106,13 @@ class JsonlTaskConfig(TaskBase):
     )
 
 
-class AgentTaskConfig(TaskBase):
+class AgentTaskConfig(JsonlData):
     """A black-box agent of your own (docs/agents.md, "Agents of your own"): ``agent`` names
     ``async def run_agent(base_url, sample) -> reward``, which talks to an OpenAI-compatible chat endpoint the
     rollout worker serves for each episode; the samples are JSONL rows as for ``jsonl``."""
 
     type: Literal["agent"] = "agent"
     agent: str = Field(description="The agent: import path 'package.module:function' of run_agent(base_url, sample).")
-    train_path: str = Field(description="JSONL file of training rows.")
-    eval_path: str = Field(description="JSONL file of held-out rows.")
-    prompt_field: str = Field("prompt", description="Row key holding the prompt (the sample's prompt).")
-    answer_field: str = Field("answer", description="Row key holding the reference answer.")
 
     @model_validator(mode="after")
     def _importable(self) -> AgentTaskConfig:

@@ -9,7 +9,7 @@ from miles.plugins import import_callable
 from miles.rollout.agent_env import AgentEnv
 from miles.rollout.env import ChatMessage, EpisodeSpec
 from miles.tasks.base import Sample
-from miles.tasks.jsonl import read_jsonl
+from miles.tasks.jsonl import JsonlSplits
 
 
 class AgentTask:
@@ -20,15 +20,10 @@ class AgentTask:
     def __init__(self, cfg: AgentTaskConfig) -> None:
         self.cfg = cfg
         self.agent = import_callable(cfg.agent, "task.agent")
-        self._splits = {
-            "train": read_jsonl(cfg.train_path, "train", cfg.prompt_field, cfg.answer_field),
-            "eval": read_jsonl(cfg.eval_path, "eval", cfg.prompt_field, cfg.answer_field),
-        }
+        self._splits = JsonlSplits(cfg)
 
     def samples(self, split: str) -> list[Sample]:
-        if split not in self._splits:
-            raise ValueError(f"unknown split {split!r}; expected 'train' or 'eval'")
-        return list(self._splits[split])
+        return self._splits.samples(split)
 
     def environment(self, spec: EpisodeSpec) -> AgentEnv:
         sample = Sample(id=spec.sample_id, prompt=spec.prompt, answer=spec.answer, meta=dict(spec.meta))

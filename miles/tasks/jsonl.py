@@ -10,7 +10,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from miles.config import JsonlTaskConfig
+from miles.config import JsonlData, JsonlTaskConfig
 from miles.plugins import PluginError, import_callable
 from miles.tasks.base import Sample, TextTask
 
@@ -27,6 +27,21 @@ def load_reward_fn(spec: str) -> RewardFn:
         return import_callable(spec, "reward")
     except PluginError as exc:
         raise TaskError(str(exc)) from None
+
+
+class JsonlSplits:
+    """The train and eval samples of a :class:`~miles.config.JsonlData` section, read once."""
+
+    def __init__(self, cfg: JsonlData) -> None:
+        self._splits = {
+            "train": read_jsonl(cfg.train_path, "train", cfg.prompt_field, cfg.answer_field),
+            "eval": read_jsonl(cfg.eval_path, "eval", cfg.prompt_field, cfg.answer_field),
+        }
+
+    def samples(self, split: str) -> list[Sample]:
+        if split not in self._splits:
+            raise ValueError(f"unknown split {split!r}; expected 'train' or 'eval'")
+        return list(self._splits[split])
 
 
 def read_jsonl(path: str | Path, split: str, prompt_field: str, answer_field: str) -> list[Sample]:
@@ -71,16 +86,11 @@ class JsonlTask(TextTask):
     def __init__(self, cfg: JsonlTaskConfig) -> None:
         self.cfg = cfg
         self._reward_fn = load_reward_fn(cfg.reward)
-        self._splits: dict[str, list[Sample]] = {
-            "train": read_jsonl(cfg.train_path, "train", cfg.prompt_field, cfg.answer_field),
-            "eval": read_jsonl(cfg.eval_path, "eval", cfg.prompt_field, cfg.answer_field),
-        }
+        self._splits = JsonlSplits(cfg)
 
     def samples(self, split: str) -> list[Sample]:
         """The split's samples in file order."""
-        if split not in self._splits:
-            raise ValueError(f"unknown split {split!r}; expected 'train' or 'eval'")
-        return list(self._splits[split])
+        return self._splits.samples(split)
 
     def reward(self, completion: str, sample: Sample) -> float:
         """The user's reward as a float."""
