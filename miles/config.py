@@ -57,10 +57,17 @@ class TinyModelConfig(Strict):
 
 
 class PretrainedModelConfig(Strict):
-    """A real HF checkpoint on disk (``from_pretrained``); no hub access is attempted."""
+    """A real checkpoint on disk: a Hugging Face directory, or a GGUF file converted once into the model cache
+    (docs/models.md); no hub access is attempted."""
 
     type: Literal["pretrained"] = "pretrained"
-    path: str = Field(description="Directory with config.json, weights and tokenizer files.")
+    path: str = Field(
+        description="Directory with config.json, weights and tokenizer files, or a .gguf file (dequantized once "
+        "by `miles prepare`)."
+    )
+    cache_dir: str | None = Field(
+        None, description="Where a GGUF file's conversion is cached (default: ~/.cache/miles/models)."
+    )
 
 
 ModelConfig = Annotated[

@@ -28,6 +28,7 @@ class PrepareError(ValueError):
 
 def prepare(cfg: RunConfig) -> Path:
     """Check the task and make the model ready; returns the model directory."""
+    from miles.models.gguf import GgufError
     from miles.models.loading import ModelNotFoundError, load_tokenizer
     from miles.models.tokenizer_facts import tokenizer_facts
     from miles.rollout.render import Renderer, TemplateError
@@ -51,7 +52,7 @@ def prepare(cfg: RunConfig) -> Path:
         tokenizer = load_tokenizer(model_dir)
         Renderer(tokenizer, task.render)  # the tokenizer can render this task's episodes
         tokenizer_facts(model_dir, tokenizer)  # cached for the controller's run info (no transformers there)
-    except (ModelNotFoundError, TemplateError) as exc:
+    except (ModelNotFoundError, TemplateError, GgufError) as exc:
         raise PrepareError(f"model: {exc}") from None
     if cfg.trainer.algo.distill is not None:  # a missing teacher, or the student itself, is refused here
         from miles.training.teacher import TeacherError, check_teacher
@@ -78,8 +79,8 @@ def prepare_engine(cfg: RunConfig) -> None:
 
 
 def prepare_model(cfg: RunConfig, task: Any = None) -> Path:
-    """The model directory of ``cfg.model``: a pretrained path checked, the tiny model or a family's tiny twin
-    built (cached)."""
+    """The model directory of ``cfg.model``: a pretrained path checked (a GGUF file converted), the tiny model or
+    a family's tiny twin built (cached)."""
     from miles.models.loading import family_dir, pretrained_dir
     from miles.models.tiny_cache import ensure_tiny_model, tiny_model_dir
     from miles.tasks.fingerprint import task_fingerprint
@@ -88,6 +89,11 @@ def prepare_model(cfg: RunConfig, task: Any = None) -> Path:
     if cfg.model.type == "family":
         return family_dir(cfg.model, build=True)  # a tiny twin is built (cached), a full-size path checked
     if cfg.model.type != "tiny":
+        from miles.models.gguf import convert_gguf, is_gguf
+
+        path = Path(cfg.model.path).expanduser()
+        if is_gguf(path) and path.is_file():
+            convert_gguf(path, cfg.model.cache_dir)  # once per machine: every process loads the conversion
         return pretrained_dir(cfg.model)
     task = task if task is not None else build_task(cfg.task, sandbox=cfg.rollout.sandbox)
     fingerprint = task_fingerprint(cfg.task)

@@ -30,8 +30,21 @@ class ModelNotPrepared(FileNotFoundError):
 
 
 def pretrained_dir(model_cfg: PretrainedModelConfig) -> Path:
-    """The checkpoint directory of ``model.path``, checked (never downloaded)."""
+    """The checkpoint directory of ``model.path``, checked (never downloaded); for a GGUF file, its conversion
+    (:mod:`miles.models.gguf`), which preparation builds."""
+    from miles.models.gguf import converted_dir, is_gguf
+
     path = Path(model_cfg.path).expanduser()
+    if is_gguf(path):
+        if not path.is_file():
+            raise ModelNotFoundError(f"model.path {str(path)!r}: no such GGUF file")
+        converted = converted_dir(path, model_cfg.cache_dir)
+        if converted is None:
+            raise ModelNotPrepared(
+                f"model.path {str(path)!r} is not converted on this machine; run `miles prepare RECIPE` first "
+                "(`miles run` does it for you)"
+            )
+        return converted
     if not path.is_dir():
         raise ModelNotFoundError(f"model.path {str(path)!r} is not a directory (no hub downloads are attempted)")
     if not (path / "config.json").is_file():
