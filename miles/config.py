@@ -106,6 +106,12 @@ class JsonlTaskConfig(JsonlData):
 
     type: Literal["jsonl"] = "jsonl"
     reward: str = Field(description="Reward function 'package.module:function(completion, sample) -> float'.")
+    render: Literal["auto", "chat", "raw"] = Field(
+        "auto",
+        description="chat: the prompt (a string, or a row's list of messages) through the model's chat template; "
+        "raw: BOS + the prompt text (string prompts only); auto: chat for a pretrained or family model, raw for "
+        "the tiny one.",
+    )
     reward_range: RewardRange | None = Field(
         None,
         description=REWARD_RANGE_DOC + " Declare it when workers are not all trusted: a user's reward has no "
@@ -693,6 +699,8 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
+        if isinstance(self.task, JsonlTaskConfig) and self.task.render == "auto":  # chat models get their template
+            self.task.render = "raw" if self.model.type == "tiny" else "chat"
         if self.trainer.groups_per_step % self.trainer.ranks:
             raise ValueError(
                 f"trainer.groups_per_step ({self.trainer.groups_per_step}) must be divisible by "

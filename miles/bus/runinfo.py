@@ -221,7 +221,8 @@ def task_info(task_cfg: Any) -> TaskInfo:
     elif kind == "terminal":
         environment, render, reward = "terminal", "chat", "harbor"
     elif kind == "jsonl":
-        environment, render, reward = "single_turn", "raw", f"python:{task_cfg.reward}"
+        render = "chat" if task_cfg.render == "chat" else "raw"
+        environment, reward = "single_turn", f"python:{task_cfg.reward}"
     elif kind == "scratchpad":  # exact match of the answer committed after the last '#', not of the whole text
         environment, render, reward = "single_turn", "raw", "committed_answer"
     else:  # arithmetic, copy: miles.tasks.base.ExactMatchTask

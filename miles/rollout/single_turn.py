@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Callable
 
 from miles.rollout.env import ChatMessage, EnvStep, EpisodeSpec
-from miles.tasks.base import Sample
+from miles.tasks.base import Sample, prompt_messages
 
 RewardFn = Callable[[str, Sample], float]
 
@@ -27,7 +27,7 @@ class SingleTurnEnv:
         self._completion: str | None = None
 
     async def reset(self) -> list[ChatMessage]:
-        return [{"role": "user", "content": self.sample.prompt}]
+        return prompt_messages(self.sample)
 
     async def step(self, action: str) -> EnvStep:
         self._completion = action

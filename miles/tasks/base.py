@@ -46,6 +46,16 @@ def first_answer(completion: str) -> str:
     return text[: match.start()] if match else text
 
 
+# Where a sample keeps the messages of a conversational prompt (a JSONL row whose prompt is a list of messages).
+PROMPT_MESSAGES = "prompt_messages"
+
+
+def prompt_messages(sample: Sample) -> list[ChatMessage]:
+    """The opening messages of ``sample``: its conversation, or one user message of its prompt."""
+    messages = sample.meta.get(PROMPT_MESSAGES)
+    return [dict(m) for m in messages] if messages else [{"role": "user", "content": sample.prompt}]
+
+
 class TextTask(ABC):
     """Base of single-turn text tasks: subclasses provide ``samples`` and ``reward(completion, sample)``."""
 
@@ -69,7 +79,7 @@ class TextTask(ABC):
 
     def demonstration(self, sample: Sample) -> list[ChatMessage]:
         """A correct conversation for the supervised warm-up: the prompt and its reference answer."""
-        return [{"role": "user", "content": sample.prompt}, {"role": "assistant", "content": sample.answer}]
+        return [*prompt_messages(sample), {"role": "assistant", "content": sample.answer}]
 
     def check(self) -> None:
         """Nothing to check at start-up for a text task."""

@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from miles.config import JsonlData, JsonlTaskConfig
 from miles.plugins import PluginError, import_callable
-from miles.tasks.base import Sample, TextTask
+from miles.tasks.base import PROMPT_MESSAGES, Sample, TextTask
 
 RewardFn = Callable[[str, Sample], float]
 
@@ -68,11 +69,14 @@ def read_jsonl(path: str | Path, split: str, prompt_field: str, answer_field: st
                 if key not in row:
                     raise TaskError(f"{p}:{lineno}: missing field {key!r}")
             prompt = row[prompt_field]
-            if not isinstance(prompt, str):
-                raise TaskError(f"{p}:{lineno}: field {prompt_field!r} must be a string")
+            meta = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
+            if isinstance(prompt, list):  # a conversation: rendered with the chat template
+                meta[PROMPT_MESSAGES] = _conversation(prompt, f"{p}:{lineno}: field {prompt_field!r}")
+                prompt = meta[PROMPT_MESSAGES][-1]["content"]
+            elif not isinstance(prompt, str):
+                raise TaskError(f"{p}:{lineno}: field {prompt_field!r} must be a string or a list of messages")
             answer = row[answer_field]
             answer = answer if isinstance(answer, str) else json.dumps(answer)
-            meta = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
             sample_id = str(row["id"]) if "id" in row else f"{split}-{lineno}"
             samples.append(Sample(id=sample_id, prompt=prompt, answer=answer, meta=meta))
     if not samples:
@@ -80,13 +84,34 @@ def read_jsonl(path: str | Path, split: str, prompt_field: str, answer_field: st
     return samples
 
 
+def _conversation(value: list[Any], where: str) -> list[dict[str, str]]:
+    """A row's prompt as messages: ``{"role", "content"}`` objects of text, ending with a user message."""
+    messages = []
+    for i, message in enumerate(value):
+        ok = isinstance(message, dict) and isinstance(message.get("role"), str)
+        if not ok or not isinstance(message.get("content"), str):
+            raise TaskError(f"{where}[{i}] must be an object with a 'role' and a text 'content'")
+        messages.append({"role": message["role"], "content": message["content"]})
+    if not messages or messages[-1]["role"] != "user":
+        raise TaskError(f"{where} must be a non-empty list of messages ending with a user message")
+    return messages
+
+
 class JsonlTask(TextTask):
     """Train/eval splits read from two JSONL files; ``reward`` delegates to the user's function."""
 
     def __init__(self, cfg: JsonlTaskConfig) -> None:
         self.cfg = cfg
+        self.render = "chat" if cfg.render == "chat" else "raw"  # 'auto' is resolved with the model (RunConfig)
         self._reward_fn = load_reward_fn(cfg.reward)
         self._splits = JsonlSplits(cfg)
+        if self.render == "raw":
+            for split in ("train", "eval"):
+                conversation = next((s for s in self._splits.samples(split) if PROMPT_MESSAGES in s.meta), None)
+                if conversation is not None:
+                    raise TaskError(
+                        f"{split} sample {conversation.id!r}: a prompt given as messages needs task.render chat"
+                    )
 
     def samples(self, split: str) -> list[Sample]:
         """The split's samples in file order."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from collections.abc import Iterator
@@ -111,3 +112,53 @@ def test_missing_file_is_named(tmp_path: Path, reward_module: str) -> None:
 def test_bad_reward_paths_are_explained(reward_module: str, spec: str, message: str) -> None:
     with pytest.raises(TaskError, match=message):
         load_reward_fn(spec.format(mod=reward_module))
+
+
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}]
+
+
+def test_a_conversational_row_is_rendered_with_the_chat_template_token_exact(
+    tmp_path: Path, reward_module: str
+) -> None:
+    from miles.models.tiny import build_char_tokenizer
+    from miles.rollout.env import EpisodeSpec
+    from miles.rollout.render import Renderer
+    from miles.rollout.single_turn import SingleTurnEnv
+
+    rows = [{"prompt": CONVERSATION, "answer": "4"}]
+    task = build_task(make_cfg(tmp_path, reward_module, train=rows, render="chat"))
+    (sample,) = task.samples("train")
+    assert sample.prompt == "2+2=" and task.render == "chat"  # the text of its last (user) message
+    env = SingleTurnEnv(EpisodeSpec(sample.id, sample.prompt, sample.answer, sample.meta), task.reward)
+    opening = asyncio.run(env.reset())
+    assert opening == CONVERSATION
+    tok = build_char_tokenizer()
+    want = tok.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True)
+    assert Renderer(tok, "chat").initial(opening) == list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert task.demonstration(sample) == [*CONVERSATION, {"role": "assistant", "content": "4"}]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "render", "message"),
+    [
+        (CONVERSATION, "raw", "a prompt given as messages needs task.render chat"),
+        ([{"role": "user"}], "chat", r"prompt'\[0\] must be an object with a 'role' and a text 'content'"),
+        ([{"role": "assistant", "content": "x"}], "chat", "ending with a user message"),
+        (3, "chat", "must be a string or a list of messages"),
+    ],
+)
+def test_bad_conversations_are_named(
+    tmp_path: Path, reward_module: str, prompt: object, render: str, message: str
+) -> None:
+    with pytest.raises(TaskError, match=message):
+        build_task(make_cfg(tmp_path, reward_module, train=[{"prompt": prompt, "answer": "4"}], render=render))
+
+
+def test_render_auto_is_chat_for_pretrained_models_and_raw_for_the_tiny_one(tmp_path: Path, reward_module: str) -> None:
+    from miles.config import load_config
+
+    base = ["task.type=jsonl", "task.train_path=t", "task.eval_path=e", f"task.reward={reward_module}:exact"]
+    assert load_config(None, base).task.render == "raw"  # type: ignore[union-attr]
+    pretrained = load_config(None, [*base, "model.type=pretrained", "model.path=/m"])
+    assert pretrained.task.render == "chat"  # type: ignore[union-attr]
+    assert load_config(None, [*base, "model.type=pretrained", "model.path=/m", "task.render=raw"]).task.render == "raw"  # type: ignore[union-attr]
