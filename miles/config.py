@@ -63,7 +63,7 @@ class PretrainedModelConfig(Strict):
     type: Literal["pretrained"] = "pretrained"
     path: str = Field(
         description="Directory with config.json, weights and tokenizer files, or a .gguf file (dequantized once "
-        "by `miles prepare`)."
+        "by `miles prepare`); 'package:NAME/FILE' names a file inside an installed Python package."
     )
     cache_dir: str | None = Field(
         None, description="Where a GGUF file's conversion is cached (default: ~/.cache/miles/models)."

@@ -90,8 +90,9 @@ def prepare_model(cfg: RunConfig, task: Any = None) -> Path:
         return family_dir(cfg.model, build=True)  # a tiny twin is built (cached), a full-size path checked
     if cfg.model.type != "tiny":
         from miles.models.gguf import convert_gguf, is_gguf
+        from miles.models.loading import model_path
 
-        path = Path(cfg.model.path).expanduser()
+        path = model_path(cfg.model.path)
         if is_gguf(path) and path.is_file():
             convert_gguf(path, cfg.model.cache_dir)  # once per machine: every process loads the conversion
         return pretrained_dir(cfg.model)

