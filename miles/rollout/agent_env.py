@@ -75,9 +75,10 @@ class AgentEnv:
         self._session = await agent_server().open(self._handle)
         self._task = asyncio.create_task(self.agent(self._session.base_url, self.sample))
         call = await self._next()
-        if call is None:
-            self._task.result()  # an agent that raised before calling the model: that error
-            raise InfraError("the agent returned without calling the model")
+        if call is None:  # excluded and counted (infra_error), never a worker's crash
+            error = self._task.exception()
+            why = f"raised {type(error).__name__}: {error}" if error is not None else "returned"
+            raise InfraError(f"the agent {why} before calling the model")
         self._pending = call
         self._history = list(call.messages)
         return list(call.messages)
@@ -108,15 +109,17 @@ class AgentEnv:
         """What the agent returned; an episode ended at a limit first refuses the call the agent waits on."""
         assert self._task is not None
         if not self._task.done():
-            self._end(self._pending, "a limit of the episode was reached (max_turns, max_tokens or timeout)")
+            if self._ended is None:
+                self._end(self._pending, "a limit of the episode was reached (max_turns, max_tokens or timeout)")
             while not self._task.done():  # refuse what it still asks until it returns its reward
                 call = await self._next()
-                if call is not None:
-                    self._end(call, self._ended or "")
+                if call is not None and not call.answer.done():
+                    call.answer.set_exception(CallRefused(409, self._ended or "episode over"))
         return self._task.result()
 
     async def close(self) -> None:
-        self._end(self._pending, "the episode was closed")
+        if self._ended is None:
+            self._end(self._pending, "the episode was closed")
         if self._task is not None and not self._task.done():
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)

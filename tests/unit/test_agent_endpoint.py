@@ -100,3 +100,14 @@ async def test_a_call_after_the_episodes_last_turn_is_refused_and_the_agent_stil
     )
     assert SEEN["status"] == 409 and "limit" in SEEN["reply"]["error"]["message"]
     assert ep.end_reason == "max_turns" and ep.reward == 0.25 and ep.status == "ok"
+
+
+async def broken(base_url: str, sample: Sample) -> float:
+    raise RuntimeError("no API key")
+
+
+async def test_an_agent_that_fails_before_calling_the_model_is_excluded_not_a_crash() -> None:
+    tok = tiny.build_char_tokenizer()
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, stop_token_ids=[tok.eos_token_id])
+    ep = await play(_engine(tok), Renderer(tok, "chat"), AgentEnv(broken, SAMPLE), params, EpisodeLimits())
+    assert ep.status == "infra_error" and "raised RuntimeError: no API key" in ep.error
