@@ -89,8 +89,11 @@ def run_config(model_cache: Path, bundle: Path) -> RunConfig:
         model_cache,
         RUN,
         **{
-            "trainer.steps": 10,
-            "eval.every": 5,
+            # Room for the test to react: before the link is cut the run goes as fast as it can (a fresh-clone CI
+            # run recorded 9 steps by the time the link was back, with 10 steps in all, leaving none to cross
+            # it); while cut, admission holds it to max_staleness + 1 steps.
+            "trainer.steps": 24,
+            "eval.every": 8,
             "trainer.checkpoint_every": 50,  # nobody kills the trainer: no checkpoint before the end
             "bus.replicas": 3,
             "bus.outage_budget_s": 60.0,
