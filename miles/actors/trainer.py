@@ -192,10 +192,12 @@ class TrainerLeader(Actor):
         async with keep_in_progress(msgs, period_s=self.cfg.bus.ack_wait_s / 3):
             while len(trajs) < want or to_check:
                 if to_check and len(trajs) >= want:  # the batch is full: check the drawn ones, refill if refused
-                    for traj in await self._audit_logprobs(to_check, dict(zip((t.group_id for t in trajs), msgs))):
-                        i = trajs.index(traj)
-                        held.discard(traj.issue_index)
-                        del trajs[i], msgs[i]
+                    by_group = dict(zip((t.group_id for t in trajs), msgs, strict=True))
+                    refused = {t.issue_index for t in await self._audit_logprobs(to_check, by_group)}
+                    kept = [i for i, t in enumerate(trajs) if t.issue_index not in refused]
+                    msgs[:] = [msgs[i] for i in kept]  # in place: keep_in_progress pings this list
+                    trajs = [trajs[i] for i in kept]
+                    held -= refused
                     to_check = []
                     continue
                 if self.stopping.is_set():

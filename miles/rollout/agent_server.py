@@ -16,7 +16,7 @@ import json
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import h11
@@ -46,7 +46,6 @@ class Session:
     key: str
     base_url: str
     handler: Handler
-    calls: int = field(default=0)
 
 
 class AgentServer:
@@ -111,7 +110,6 @@ class AgentServer:
             messages = _messages(json.loads(body or b"{}"))
         except (ValueError, TypeError) as exc:
             return 400, _error(f"bad request: {exc}")
-        session.calls += 1
         try:
             text, finish = await session.handler(messages)
         except CallRefused as exc:

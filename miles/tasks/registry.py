@@ -25,39 +25,23 @@ def builtin_terminal_dir(builtin_cfg: Any) -> Path:
     return base / key
 
 
-@TASKS.register("arithmetic")
-def _arithmetic(cfg: Any, sandbox: SandboxConfig) -> Task:
-    from miles.tasks.arithmetic import ArithmeticTask
+def _config_task(path: str) -> Any:
+    """A built-in task class built from its config alone, imported on first use (the sandbox is not needed)."""
 
-    return ArithmeticTask(cfg)
+    def build(cfg: Any, sandbox: SandboxConfig) -> Task:
+        return import_callable(path, "task")(cfg)  # type: ignore[no-any-return]
 
-
-@TASKS.register("jsonl")
-def _jsonl(cfg: Any, sandbox: SandboxConfig) -> Task:
-    from miles.tasks.jsonl import JsonlTask
-
-    return JsonlTask(cfg)
+    return build
 
 
-@TASKS.register("copy")
-def _copy(cfg: Any, sandbox: SandboxConfig) -> Task:
-    from miles.tasks.copy import CopyTask
-
-    return CopyTask(cfg)
-
-
-@TASKS.register("scratchpad")
-def _scratchpad(cfg: Any, sandbox: SandboxConfig) -> Task:
-    from miles.tasks.scratchpad import ScratchpadTask
-
-    return ScratchpadTask(cfg)
-
-
-@TASKS.register("agent")
-def _agent(cfg: Any, sandbox: SandboxConfig) -> Task:
-    from miles.tasks.agent import AgentTask
-
-    return AgentTask(cfg)
+for _name, _path in {
+    "arithmetic": "miles.tasks.arithmetic:ArithmeticTask",
+    "jsonl": "miles.tasks.jsonl:JsonlTask",
+    "copy": "miles.tasks.copy:CopyTask",
+    "scratchpad": "miles.tasks.scratchpad:ScratchpadTask",
+    "agent": "miles.tasks.agent:AgentTask",
+}.items():
+    TASKS.register(_name)(_config_task(_path))
 
 
 @TASKS.register("terminal")
