@@ -10,8 +10,9 @@ What is saved, under top-level keys of one DCP state dict:
 
 * ``model`` and ``optim``: :func:`~torch.distributed.checkpoint.state_dict.get_state_dict` (sharded,
   keyed by parameter FQN, so the optimizer state survives resharding). ``adapter_only`` (LoRA) drops
-  frozen parameters (``ignore_frozen_params``): the adapters and their optimizer state only; the frozen
-  base comes from the model the run started from.
+  frozen parameters: the adapters and their optimizer state only; the frozen base comes from the model
+  the run started from. Tied weights included: ``ignore_frozen_params`` alone keeps a tied ``lm_head``
+  (it is not among the de-duplicated named parameters), 113 MB of a 121 MB SmolLM2-135M checkpoint.
 * ``reference``: an optional frozen reference model (KL against the initial policy).
 * ``extra``: small plain values of the backend (e.g. its step counter), stored once.
 
@@ -72,6 +73,9 @@ def _state(
     model: nn.Module, optimizer: Optimizer, *, adapter_only: bool, reference: nn.Module | None
 ) -> dict[str, Any]:
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(adapter_only))
+    if adapter_only:
+        trainable = {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        model_sd = {name: value for name, value in model_sd.items() if name in trainable}
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     if reference is not None:
         state["reference"] = get_model_state_dict(reference)

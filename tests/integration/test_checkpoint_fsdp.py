@@ -27,6 +27,8 @@ RTOL = 1e-4
 
 
 def tiny(seed: int = 0, lora: bool = False) -> torch.nn.Module:
+    """A 2-layer Llama; with ``lora`` its embeddings are tied, as in SmolLM2, whose tied lm_head a LoRA
+    checkpoint must not carry."""
     torch.manual_seed(0)  # the same base in every process
     model = LlamaForCausalLM(
         LlamaConfig(
@@ -37,6 +39,7 @@ def tiny(seed: int = 0, lora: bool = False) -> torch.nn.Module:
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=64,
+            tie_word_embeddings=lora,
         )
     )
     torch.manual_seed(seed)  # different adapters / a different start for restored models
