@@ -5,6 +5,7 @@ Everything is built offline from code; no hub access. One twin per family is bui
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from miles.config import LoraConfig
 from miles.engines.base import SamplingParams
 from miles.engines.batch import generate_all_sync
 from miles.engines.torch_engine import TorchEngine
-from miles.models.families import TinyDims, UnknownFamilyError, family_names, get_family
+from miles.models.families import ModelFamily, TinyDims, UnknownFamilyError, family_names, get_family
 from miles.models.families.build import BUILD_INFO_FILE, build_tiny_twin, twin_cache_key, write_tiny_twin
 from miles.models.families.rules import MissingStopTokenError, lora_targets, quantizable, stop_token_ids_for
 from miles.models.families.tokenizer import build_tokenizer
@@ -313,3 +314,17 @@ def test_cached_greedy_decoding_matches_full_recompute(name: str, twins: dict[st
     for row, single in zip(batch, (single_long, single_short)):
         assert row.output_ids == single.output_ids
         assert max(abs(a - b) for a, b in zip(row.logprobs, single.logprobs)) < 1e-4
+
+
+def _my_family() -> ModelFamily:
+    return dataclasses.replace(get_family("qwen38"), name="my_qwen")
+
+
+def _not_a_family() -> str:
+    return "qwen38"
+
+
+def test_a_family_of_your_own_by_import_path() -> None:
+    assert get_family(f"{__name__}:_my_family").name == "my_qwen"
+    with pytest.raises(UnknownFamilyError, match="not a ModelFamily"):
+        get_family(f"{__name__}:_not_a_family")
