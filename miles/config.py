@@ -336,6 +336,13 @@ class EvalConfig(Strict):
     shard_size: int = Field(50, ge=1, description="Held-out samples per evaluation work item.")
     max_new_tokens: int | None = Field(None, ge=1, description="Per model turn (None: rollout.sampling's).")
     max_samples: int | None = Field(None, ge=1, description="Evaluate only the first this many held-out samples.")
+    hold_rollouts: bool = Field(
+        True,
+        description="While an evaluation pins a worker's weights and a newer version is announced, the worker "
+        "starts no new rollout group (played on the pinned weights, it would reach the trainer too old and be "
+        "issued again): the generation goes to the evaluation instead. false: start them anyway "
+        "(benchmarks/eval_staleness.py measures both).",
+    )
     final_timeout_s: float = Field(
         1800.0,
         gt=0,

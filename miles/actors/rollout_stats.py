@@ -26,6 +26,7 @@ class RolloutStats:
     reward_failed: int = 0
     truncated: int = 0
     evals: int = 0
+    groups_held_for_eval: int = 0  # groups that waited for an evaluation's pinned weights (eval.hold_rollouts)
     counters: dict[str, float] = field(default_factory=dict)
     end_reasons: dict[str, int] = field(default_factory=dict)
 
@@ -57,6 +58,7 @@ class RolloutStats:
             "reward_failed": float(self.reward_failed),
             "truncated": float(self.truncated),
             "evals": float(self.evals),
+            "groups_held_for_eval": float(self.groups_held_for_eval),
         }
         out |= {key: value for key, value in self.counters.items()}
         out |= {f"end_{reason}": float(n) for reason, n in self.end_reasons.items()}
