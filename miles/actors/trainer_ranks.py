@@ -16,6 +16,7 @@ from typing import Any, Callable, TypeVar
 import structlog
 
 from miles.failpoints import failpoint
+from miles.sync.owned_delta import OwnedTensor
 from miles.training.rank_worker import RankWorker
 
 log = structlog.get_logger(__name__)
@@ -62,6 +63,16 @@ class LeaderRanks:
         for i, item in enumerate(self.worker.backend.export_params(adapter_only=adapter_only)):
             if i == 1:
                 failpoint("export")  # part of the payload is in the data plane, no manifest yet
+            yield item
+
+    def owned_export_stream(self, anchor: bool) -> Iterator[OwnedTensor]:
+        """On the torch thread: start a delta-mode export on every rank and return rank 0's tensors (with their
+        records), consumed one at a time by the payload writer."""
+        if self.world_size > 1:
+            _broadcast(("drain_owned_export", (anchor,)))
+        for i, item in enumerate(self.worker.owned_export(anchor)):
+            if i == 1:
+                failpoint("export")
             yield item
 
     async def call(self, method: str, *args: Any) -> Any:

@@ -74,9 +74,15 @@ bytes), Rice low bits (``r // 8`` whole low bytes per change, then one ``ceil(k_
 bit plane per remaining bit), quotient escapes, value escapes; the small class's gaps count
 small-class positions, the rest's all positions. ``all``: the value planes.
 
-State record: ``b"MDS2" | u32 header length | JSON header | tensor records``; the header is
-``{"format": 2, "base_version", "version", "tensors": [[name, offset, length], ...]}`` with
-offsets relative to the end of the header.
+State record (format 3, written as it is encoded: the header names the tensors, each record carries its
+own length, so no offset has to be known before the last record is)::
+
+    b"MDS3" | u32 header length | JSON {"format": 3, "base_version", "version", "tensors": [name, ...]}
+    | per tensor, in the header's order: u64 record length | tensor record
+
+The trainer encodes each tensor's record on the rank that keeps that tensor's previous bits and streams the
+records into the data plane one at a time (:mod:`miles.sync.owned_delta`); :func:`encode_state_delta` is
+the same for a whole state held in one place.
 """
 
 from __future__ import annotations
@@ -100,6 +106,8 @@ __all__ = [
     "encode_delta",
     "apply_delta",
     "encode_state_delta",
+    "state_delta_header",
+    "framed_record",
     "apply_state_delta",
     "read_state_header",
     "delta_stats",
@@ -123,8 +131,9 @@ class DeltaFormatError(DeltaError):
 
 
 _MAGIC_T = b"MDT2"
-_MAGIC_S = b"MDS2"
-_FORMAT = 2
+_MAGIC_S = b"MDS3"
+_FORMAT = 3
+_RECORD_LEN = struct.Struct("<Q")
 _HEAD = struct.Struct("<4sBBBBQQ")
 
 # dtype ids are part of the wire format: append only.
@@ -1010,6 +1019,20 @@ def delta_stats(payload: bytes | bytearray | memoryview) -> dict:
 # --------------------------------------------------------------------------- state level
 
 
+def state_delta_header(base_version: int, version: int, names: list[str]) -> bytes:
+    """The state record's opening: magic, header length and the JSON header naming the tensors in order."""
+    header = json.dumps(
+        {"format": _FORMAT, "base_version": int(base_version), "version": int(version), "tensors": list(names)},
+        separators=(",", ":"),
+    ).encode()
+    return _MAGIC_S + struct.pack("<I", len(header)) + header
+
+
+def framed_record(record: bytes) -> bytes:
+    """A tensor record as it follows the header: its u64 length, then the record."""
+    return _RECORD_LEN.pack(len(record)) + record
+
+
 def encode_state_delta(
     prev_state: dict[str, torch.Tensor],
     new_state: dict[str, torch.Tensor],
@@ -1024,24 +1047,18 @@ def encode_state_delta(
     ``level`` and ``classes`` as in :func:`encode_delta`."""
     if set(prev_state) != set(new_state):
         raise ValueError(f"tensor set changed: {sorted(set(prev_state) ^ set(new_state))[:5]}")
-    records, entries, off = [], [], 0
+    parts = [state_delta_header(base_version, version, list(new_state))]
     for name, new in new_state.items():
-        rec = encode_delta(prev_state[name], new, level=level, classes=classes)
-        records.append(rec)
-        entries.append([name, off, len(rec)])
-        off += len(rec)
-    header = json.dumps(
-        {"format": _FORMAT, "base_version": int(base_version), "version": int(version), "tensors": entries},
-        separators=(",", ":"),
-    ).encode()
-    return b"".join([_MAGIC_S, struct.pack("<I", len(header)), header, *records])
+        parts.append(framed_record(encode_delta(prev_state[name], new, level=level, classes=classes)))
+    return b"".join(parts)
 
 
 def read_state_header(payload: bytes | bytearray | memoryview) -> dict:
-    """The state record's JSON header (``base_version``, ``version``, ``tensors``), validated."""
+    """The state record's JSON header, validated, with ``tensors`` as ``[name, offset, length]`` of each tensor
+    record (offsets relative to ``_body``, the end of the JSON header)."""
     buf = memoryview(payload).cast("B")
     if len(buf) < 8 or bytes(buf[:4]) != _MAGIC_S:
-        raise DeltaFormatError("not a state delta (bad magic or too short)")
+        raise DeltaFormatError("not a state delta of format 3 (bad magic or too short)")
     (hlen,) = struct.unpack_from("<I", buf, 4)
     if 8 + hlen > len(buf):
         raise DeltaFormatError(f"header length {hlen} exceeds payload size {len(buf)}")
@@ -1051,18 +1068,26 @@ def read_state_header(payload: bytes | bytearray | memoryview) -> dict:
             header["format"] == _FORMAT
             and isinstance(header["base_version"], int)
             and isinstance(header["version"], int)
+            and all(isinstance(name, str) for name in header["tensors"])
         )
-        body = len(buf) - 8 - hlen
-        end = 0
-        for name, start, length in header["tensors"]:
-            ok = ok and isinstance(name, str) and start == end and length >= 0
-            end = start + length
-        ok = ok and end == body
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
         raise DeltaFormatError(f"bad state delta header: {exc}") from None
     if not ok:
-        raise DeltaFormatError("state delta header does not describe its body")
-    header["_body"] = 8 + hlen
+        raise DeltaFormatError("bad state delta header")
+    body, pos, entries = 8 + hlen, 8 + hlen, []
+    for name in header["tensors"]:
+        if pos + _RECORD_LEN.size > len(buf):
+            raise DeltaFormatError(f"{name}: the payload ends before its record")
+        (length,) = _RECORD_LEN.unpack_from(buf, pos)
+        pos += _RECORD_LEN.size
+        if pos + length > len(buf):
+            raise DeltaFormatError(f"{name}: record length {length} runs past the payload")
+        entries.append([name, pos - body, length])
+        pos += length
+    if pos != len(buf):
+        raise DeltaFormatError(f"{len(buf) - pos} bytes after the last tensor record")
+    header["tensors"] = entries
+    header["_body"] = body
     return header
 
 

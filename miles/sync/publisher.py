@@ -1,8 +1,9 @@
 """Trainer side of weight sync: put the payload in the data plane, then announce it.
 
-:func:`publish_weights` is ``sync.mode: full``: every version whole. :class:`WeightPublisher` adds
-``sync.mode: delta`` (docs/weight-sync.md): it keeps the previously published rollout-precision state
-in memory (rank 0, CPU) and publishes the sparse delta against it (:func:`miles.sync.delta.encode_state_delta`)
+:func:`publish_weights` publishes one whole state. :class:`WeightPublisher` publishes successive whole
+states held in one process in ``full``, ``delta`` or ``lora`` mode (tools and tests; the trainer streams
+every mode instead, :mod:`miles.sync.sender`). In delta mode it keeps the previously published state
+in memory and publishes the sparse delta against it (:func:`miles.sync.delta.encode_state_delta`)
 in the delta key space (``WeightStore(kind="delta")``), except for a *full anchor* in the full key
 space at version 0, every ``anchor_every`` versions, after a restart (nothing in memory), for a
 version not newer than the previous one, and whenever the encoder refuses (``ValueError``: the tensor
@@ -23,6 +24,7 @@ from miles.bus.client import KEY_TRAINER_VERSION, Bus
 from miles.bus.schema import WeightsAnnounced
 from miles.security.signing import payload_sha256
 from miles.sync.delta import encode_state_delta
+from miles.sync.owned_delta import DeltaSchedule
 from miles.sync.payload import serialize_state
 from miles.sync.precision import state_digest
 from miles.sync.transport.dataplane import WeightStore
@@ -131,22 +133,10 @@ class WeightPublisher:
         self.level = level
         self.sha256 = sha256  # also announce every payload's SHA-256 (bus.payload_sha256)
         self._prev: tuple[int, dict[str, torch.Tensor]] | None = None  # last published version, its state
-        self._anchor: int | None = None  # newest full anchor published by this process
+        self.schedule = DeltaSchedule(anchor_every)
         self.anchors = 0
         self.deltas = 0
         self.last_bytes = 0
-
-    def _wants_anchor(self, version: int) -> str | None:
-        """Why ``version`` must be a full anchor (None: a delta will do)."""
-        if self._prev is None:
-            return "no_previous_state"  # first publish of this process: version 0 or a restart
-        if version == 0:
-            return "version_0"
-        if version <= self._prev[0]:
-            return "not_newer"
-        if self._anchor is None or version - self._anchor >= self.anchor_every:
-            return "anchor_every"
-        return None
 
     async def publish(self, state: dict[str, torch.Tensor], version: int, lineage: Lineage = Lineage()) -> Published:
         """Publish ``version`` (full, a delta, or a full anchor) and announce it."""
@@ -157,7 +147,7 @@ class WeightPublisher:
             self.last_bytes = published.announcement.size
             return published
         state = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
-        reason = self._wants_anchor(version)
+        reason = self.schedule.anchor_reason(version)
         payload: bytes | None = None
         if reason is None:
             assert self._prev is not None
@@ -173,7 +163,6 @@ class WeightPublisher:
             published = await publish_weights(
                 self.bus, self.store, state, version, self.dtype, lineage=lineage, sha256=self.sha256
             )
-            self._anchor = version
             self.anchors += 1
             log.info("weights_anchor_published", version=version, reason=reason, bytes=published.announcement.size)
         else:
@@ -198,6 +187,7 @@ class WeightPublisher:
             published = await announce(self.bus, ann)
             self.deltas += 1
             log.info("weights_delta_published", version=version, base=self._prev[0], bytes=info.size)
+        self.schedule.published(version, anchor=published.announcement.mode != "delta")
         self._prev = (version, state)
         self.last_bytes = published.announcement.size
         return published

@@ -5,29 +5,45 @@ knows whether this is the run's first start, the payload transport that ``sync.t
 trainer then calls :meth:`WeightSender.publish` and nothing else of sync. Transports are registered by name
 (:func:`register_transport`), so a new one is a factory here, not a branch in the trainer.
 
-* ``full``: the export streams into the transport one parameter at a time; no rank holds the whole state.
-* ``delta`` / ``lora``: the state (or only the adapter) is collected on rank 0 and published by
-  :class:`~miles.sync.publisher.WeightPublisher`, which keeps the previous state to diff against.
+Every mode streams one tensor at a time; no rank holds the whole state:
+
+* ``full``: the export goes into the transport as it is gathered.
+* ``lora``: the same, of the adapter only.
+* ``delta``: each tensor's previous bits live on the trainer rank that owns it, which encodes its delta
+  record (:mod:`miles.sync.owned_delta`); rank 0 writes the records into the delta store as they come, and
+  a full anchor every ``sync.anchor_every`` versions (or when a delta cannot be made) into the full store.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+import hashlib
+from collections.abc import Awaitable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
+import xxhash
 
+from miles.bus.errors import BusError
 from miles.bus.schema import WeightsAnnounced
 from miles.models.families.registry import family_of
 from miles.plugins import Registry
-from miles.sync.publisher import Lineage, Published, WeightPublisher, announce, delta_keep_versions
-from miles.sync.stream_export import PayloadLayout
+from miles.sync.delta import framed_record, state_delta_header
+from miles.sync.owned_delta import DeltaSchedule, OwnedTensor
+from miles.sync.publisher import Lineage, Published, announce, delta_keep_versions
+from miles.sync.stream_export import (
+    ExportSummary,
+    PayloadLayout,
+    Sink,
+    StateHasher,
+    drain,
+    rollout_specs,
+    write_payload,
+)
 from miles.sync.transport.base import WeightTransport
 from miles.sync.transport.broadcast import BroadcastTransport, join_run_group
-from miles.sync.transport.bus import BusTransport
+from miles.sync.transport.bus import BusTransport, stored, write_streamed
 from miles.sync.transport.dataplane import WeightStore
 from miles.sync.transport.fallback import FallbackTransport
 from miles.sync.transport.fs import FsTransport, fs_root
@@ -97,16 +113,9 @@ class WeightSender:
         self.delta_store = delta_store
         self.log = log
         self.transport: WeightTransport = BusTransport(store)
-        # Keeps the last published state in memory (delta mode): after a restart the first publish is a full anchor.
-        self.publisher = WeightPublisher(
-            bus,
-            store,
-            cfg.sync.dtype,
-            mode=cfg.sync.mode,
-            delta_store=delta_store,
-            anchor_every=cfg.sync.anchor_every,
-            sha256=cfg.bus.payload_sha256,
-        )
+        # Delta mode: when the next version is an anchor. Nothing published by this process yet, so after a
+        # restart the first version is an anchor.
+        self.schedule = DeltaSchedule(cfg.sync.anchor_every)
 
     async def connect(self, *, first_start: bool) -> None:
         """Open the full-mode payload transport of ``sync.transport`` (registered in :data:`TRANSPORTS`)."""
@@ -121,45 +130,178 @@ class WeightSender:
 
     async def publish(self, version: int, lineage: Lineage) -> Published:
         """Export the current weights and publish (and announce) them as ``version``."""
-        if self.cfg.sync.mode == "full":
-            return await self._stream(version, lineage)
-        return await self.publisher.publish(await self._collect(), version, lineage)
+        if self.cfg.sync.mode == "delta":
+            return await self.store.retried(
+                lambda: self._publish_delta(version, lineage), what=f"weights v{version} (delta mode)"
+            )
+        return await self._stream(version, lineage, adapter_only=self.cfg.sync.mode == "lora")
 
-    async def _stream(self, version: int, lineage: Lineage) -> Published:
-        precision = self.cfg.sync.dtype
-        family = family_of(self.cfg.model)  # its quantization rule picks what FP8/FP4 quantize
-        layout = PayloadLayout.plan(
-            self.ranks.worker.backend.export_specs(), precision, version, family, sha256=self.cfg.bus.payload_sha256
-        )
-        out = await self.transport.publish(layout, lambda: self.ranks.export_stream(False), run=self.ranks.run)
+    async def _announce(self, fields: dict[str, Any], lineage: Lineage, **extra: Any) -> Published:
+        """The one place a version's announcement is built: the payload's facts (``fields``), where it sits in
+        the trainer's history, and the mode's own fields (``mode``, ``transport``, ``base_version``, ...)."""
+        sync = self.cfg.sync
         announcement = WeightsAnnounced(
-            **out.announcement_fields(),
-            transport=out.transport,
-            location=Path(out.location).name if out.transport == "fs" else out.location,
+            **fields,
             step=lineage.step,
             consumed=list(lineage.consumed),
             replayed=lineage.replayed,
-            mode="full",
-            dtype=precision,
-            precision=precision,
+            dtype=sync.dtype,
+            precision=sync.dtype,
+            **extra,
         )
         published = await announce(self.bus, announcement)
-        self.log.info("weights_published", version=version, step=lineage.step, bytes=out.size, chunks=out.chunks)
+        self.log.info(
+            "weights_published",
+            version=announcement.version,
+            step=lineage.step,
+            mode=announcement.mode,
+            bytes=announcement.size,
+            chunks=announcement.chunks,
+        )
         return published
 
-    async def _collect(self) -> dict[str, torch.Tensor]:
-        """The state to publish: the weights in rollout precision, or in LoRA mode only the adapter. FP8/FP4
-        are quantized here, so workers run exactly these codes and scales."""
-        from miles.sync.precision import is_quantized, to_rollout_state
+    async def _stream(self, version: int, lineage: Lineage, *, adapter_only: bool) -> Published:
+        """The weights (or, in LoRA mode, only the adapter) streamed into the transport one tensor at a time.
+        An adapter is published in bf16 where the sync dtype quantizes (FP8/FP4 codes are for base weights)."""
+        from miles.sync.precision import is_quantized
 
         sync = self.cfg.sync
-        state = await self.ranks.call("export", sync.mode == "lora")
-        if sync.mode != "lora" and is_quantized(sync.dtype):
-            return await asyncio.to_thread(to_rollout_state, state, sync.dtype, family_of(self.cfg.model))
-        dtype = getattr(torch, "bfloat16" if is_quantized(sync.dtype) else sync.dtype)
-        # A copy even where the dtype already matches (float32 sync): an unsharded export may yield the live
-        # parameters, and the publisher keeps this state as the base of the next delta across the next step.
-        return {name: t.to(dtype, copy=True) for name, t in state.items()}
+        precision = "bfloat16" if adapter_only and is_quantized(sync.dtype) else sync.dtype
+        specs = self.ranks.worker.backend.export_specs(adapter_only=adapter_only)
+        layout = PayloadLayout.plan(specs, precision, version, self._family, sha256=self.cfg.bus.payload_sha256)
+        out = await self.transport.publish(layout, lambda: self.ranks.export_stream(adapter_only), run=self.ranks.run)
+        location = Path(out.location).name if out.transport == "fs" else out.location
+        return await self._announce(
+            out.announcement_fields(), lineage, mode=sync.mode, transport=out.transport, location=location
+        )
+
+    @property
+    def _family(self) -> str | None:
+        return family_of(self.cfg.model)  # its quantization rule picks what FP8/FP4 quantize
+
+    async def _publish_delta(self, version: int, lineage: Lineage) -> Published:
+        """A delta against the previous version, or a full anchor (:class:`DeltaSchedule` says when)."""
+        reason = self.schedule.anchor_reason(version)
+        try:
+            if reason is None:
+                published = await self._owned_delta(version, lineage)
+                if published is not None:
+                    self.schedule.published(version, anchor=False)
+                    return published
+                reason = "encoder_refused"
+            published = await self._owned_anchor(version, lineage)
+        except BaseException:
+            self.schedule.failed()  # the owners' shares may be part new, part old: the next one is an anchor
+            raise
+        self.schedule.published(version, anchor=True)
+        self.log.info("weights_anchor_published", version=version, reason=reason, bytes=published.announcement.size)
+        return published
+
+    async def _owned_anchor(self, version: int, lineage: Lineage) -> Published:
+        layout = PayloadLayout.plan(
+            self.ranks.worker.backend.export_specs(),
+            self.cfg.sync.dtype,
+            version,
+            self._family,
+            sha256=self.cfg.bus.payload_sha256,
+        )
+
+        def produce(sink: Sink) -> ExportSummary:
+            stream = self.ranks.owned_export_stream(True)
+            try:
+                ordered = in_order(layout.names, stream)
+                return write_payload(layout, ((item.spec, item.tensor) for item in ordered), sink)
+            except Exception:
+                drain(stream)  # the other ranks are still exchanging: finish with them
+                raise
+
+        info, summary = await write_streamed(self.store, version, layout.size, produce, self.ranks.run)
+        if info.digest != summary.digest or info.size != summary.size:
+            raise BusError(f"weights v{version}: the store recorded {info}, the encoder {summary}")
+        out = stored(info, summary.state_digest, summary.payload_sha256)
+        return await self._announce(out.announcement_fields(), lineage, mode="full")
+
+    async def _owned_delta(self, version: int, lineage: Lineage) -> Published | None:
+        """The delta payload, written record by record as the owners encode them; None if an owner could not
+        encode one (no previous bits, or a tensor whose dtype or size changed): publish an anchor instead."""
+        assert self.delta_store is not None and self.schedule.previous is not None
+        base_version = self.schedule.previous
+        specs = rollout_specs(self.ranks.worker.backend.export_specs(), self.cfg.sync.dtype, self._family)
+        names = [spec.name for spec in specs]  # the payload's order: sorted, as the state digest hashes
+
+        def produce(sink: Sink) -> DeltaSummary:
+            stream = self.ranks.owned_export_stream(False)
+            summary = DeltaSummary(sha256=self.cfg.bus.payload_sha256)
+            try:
+                summary.emit(sink, state_delta_header(base_version, version, names))
+                for item in in_order(names, stream):
+                    if not item.record:  # an owner could not encode it: this version goes out as an anchor
+                        drain(stream)
+                        raise DeltaRefused(item.spec.name)
+                    summary.hasher.update(item.spec.name, item.tensor)
+                    summary.emit(sink, framed_record(item.record))
+            except Exception:
+                drain(stream)
+                raise
+            return summary
+
+        try:
+            info, summary = await write_streamed(self.delta_store, version, None, produce, self.ranks.run)
+        except DeltaRefused as exc:
+            self.log.warning("weights_delta_refused", version=version, tensor=str(exc))
+            return None
+        if info.digest != summary.digest:
+            raise BusError(f"weights v{version}: the store recorded {info.digest}, the encoder {summary.digest}")
+        out = stored(info, summary.hasher.hexdigest(), summary.sha256_hex)
+        fields = out.announcement_fields()
+        return await self._announce(fields, lineage, mode="delta", base_version=base_version, format="miles-delta")
+
+
+class DeltaRefused(Exception):
+    """An owner could not encode a tensor's delta (its name is the message): the version goes out as an anchor."""
+
+
+class DeltaSummary:
+    """The delta payload's running digests as rank 0 writes it: the payload's xxh3-128 (what the store
+    records), optionally its SHA-256, and the state digest of the new tensors."""
+
+    def __init__(self, *, sha256: bool) -> None:
+        self._payload = xxhash.xxh3_128()
+        self._sha256 = hashlib.sha256() if sha256 else None
+        self.hasher = StateHasher()
+
+    def emit(self, sink: Sink, piece: bytes) -> None:
+        view = memoryview(piece)
+        self._payload.update(view)
+        if self._sha256 is not None:
+            self._sha256.update(view)
+        sink(view)
+
+    @property
+    def digest(self) -> str:
+        return self._payload.hexdigest()
+
+    @property
+    def sha256_hex(self) -> str:
+        return self._sha256.hexdigest() if self._sha256 is not None else ""
+
+
+def in_order(names: list[str], items: Iterable[OwnedTensor]) -> Iterator[OwnedTensor]:
+    """``items`` in the order of ``names`` (the payload's): an item that comes early waits until its turn
+    (the export comes in sorted order already, so normally none waits)."""
+    position = {name: i for i, name in enumerate(names)}
+    pending: dict[int, OwnedTensor] = {}
+    turn = 0
+    for item in items:
+        index = position.get(item.spec.name)
+        if index is None or index < turn or index in pending:
+            raise ValueError(f"{item.spec.name}: not expected here in the payload")
+        pending[index] = item
+        while turn in pending:
+            yield pending.pop(turn)
+            turn += 1
+    if turn != len(names):
+        raise ValueError(f"the export ended without {names[turn]!r}")
 
 
 async def open_stores(cfg: RunConfig, bus: Bus) -> tuple[WeightStore, WeightStore | None]:

@@ -295,6 +295,18 @@ def encode_payload(layout: PayloadLayout, params: Iterable[tuple[str, torch.Tens
     sink) the rest of ``params`` is drained before the error propagates (see the module docstring).
     """
     source = iter(params)
+    try:
+        return write_payload(layout, iter_rollout_tensors(layout, source), sink)
+    except Exception as exc:
+        log.error("stream_export.failed", version=layout.version, error=repr(exc), drained=drain(source))
+        raise
+
+
+def write_payload(
+    layout: PayloadLayout, tensors: Iterable[tuple[TensorSpec, torch.Tensor]], sink: Sink
+) -> ExportSummary:
+    """Stream the safetensors payload of ``tensors``, already in rollout precision and in ``layout`` order, to
+    ``sink`` (header first); the summary carries the payload's and the state's digests."""
     payload_hash = xxhash.xxh3_128()
     sha256 = hashlib.sha256() if layout.sha256 else None
     state_hash = StateHasher()
@@ -308,17 +320,13 @@ def encode_payload(layout: PayloadLayout, params: Iterable[tuple[str, torch.Tens
         sink(piece)
         written += piece.nbytes
 
-    try:
-        emit(memoryview(layout.header))
-        for spec, tensor in iter_rollout_tensors(layout, source):
-            data = raw_bytes(tensor)
-            state_hash.update(spec.name, tensor, data)
-            if data.nbytes:
-                emit(data)
-            del tensor, data  # before the next tensor is produced: one tensor in memory at a time
-    except Exception as exc:
-        log.error("stream_export.failed", version=layout.version, error=repr(exc), drained=drain(source))
-        raise
+    emit(memoryview(layout.header))
+    for spec, tensor in tensors:
+        data = raw_bytes(tensor)
+        state_hash.update(spec.name, tensor, data)
+        if data.nbytes:
+            emit(data)
+        del tensor, data  # before the next tensor is produced: one tensor in memory at a time
     if written != layout.size:
         raise AssertionError(f"wrote {written} bytes, planned {layout.size}")
     return ExportSummary(

@@ -7,7 +7,7 @@ collectives (FSDP's all-gathers, Megatron's schedules) line up by construction.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,8 @@ import torch
 from miles.algo.config import generation_budget
 from miles.backends.base import TrainBackend, TrainSample
 from miles.config import RunConfig
+from miles.models.families.registry import family_of
+from miles.sync.owned_delta import OwnedBase, OwnedPlan, OwnedTensor, owned_export
 from miles.sync.stream_export import drain
 from miles.training.checkpoint import CheckpointManager
 from miles.training.snapshots import VersionSnapshots
@@ -45,6 +47,9 @@ class RankWorker:
         keep = cfg.staleness.max_staleness + 1
         cast = getattr(torch, cfg.sync.dtype) if cfg.rollout_weights_are_a_cast else None  # as workers hold them
         self.snapshots = VersionSnapshots(backend, keep, cast) if trainer.audit.logprob_rate > 0 else None
+        # Delta sync: the previous published bits of the tensors this rank owns (miles.sync.owned_delta).
+        self.delta_base = OwnedBase()
+        self._owned_plan: OwnedPlan | None = None
         self.checkpoints = CheckpointManager(
             run_dir / "checkpoints", trainer.checkpoint_every, trainer.keep_checkpoints, trainer.async_checkpoint
         )
@@ -79,19 +84,23 @@ class RankWorker:
             out = [a + b for a, b in zip(out, sums, strict=True)]
         return out
 
-    def export(self, adapter_only: bool) -> dict[str, torch.Tensor]:
-        """The policy's tensors in HF names (float32), gathered one at a time, collected into one dict on rank 0
-        (delta and LoRA sync, which need the whole state or are small); full sync streams instead
-        (:meth:`drain_export` and :meth:`LeaderRanks.export_stream`)."""
-        out: dict[str, torch.Tensor] = {}
-        for name, tensor in self.backend.export_params(adapter_only=adapter_only):
-            if self.rank == 0:
-                out[name] = tensor
-        return out
-
     def drain_export(self, adapter_only: bool) -> int:
         """A rank's part of a streamed export that rank 0 consumes: every gather, nothing kept."""
         return drain(self.backend.export_params(adapter_only=adapter_only))
+
+    def owned_export(self, anchor: bool) -> Iterator[OwnedTensor]:
+        """This rank's part of a delta-mode export (:func:`miles.sync.owned_delta.owned_export`): it keeps the
+        previous bits of the tensors it owns; rank 0 gets every tensor and its record."""
+        if self._owned_plan is None:
+            sync = self.cfg.sync
+            specs = self.backend.export_specs()
+            self._owned_plan = OwnedPlan.of(specs, sync.dtype, family_of(self.cfg.model), self.world_size)
+        return owned_export(
+            self.backend.export_params(), self._owned_plan, self.delta_base, rank=self.rank, anchor=anchor
+        )
+
+    def drain_owned_export(self, anchor: bool) -> int:
+        return drain(self.owned_export(anchor))
 
     def save_checkpoint(self, step: int, extra: dict[str, Any]) -> None:
         self.checkpoints.save(step, self.backend, {**extra, "optimizer_steps": self.rl.steps_done})

@@ -205,15 +205,17 @@ def check_held_weights(cluster: Cluster) -> None:
     assert summary["weights_mismatches"] == 0 and summary["weights_verified"] >= 1
 
 
-def run_to_completion(cfg: RunConfig, run_dir: Path, nats_url: str, timeout_s: float = 300) -> Cluster:
-    """Controller, two rollout workers and a one-rank trainer as processes until the run ends; the
+def run_to_completion(
+    cfg: RunConfig, run_dir: Path, nats_url: str, timeout_s: float = 300, *, ranks: int = 1
+) -> Cluster:
+    """Controller, two rollout workers and a trainer of ``ranks`` ranks as processes until the run ends; the
     accounting is checked. Returns the (stopped) cluster for its record and logs."""
     from miles.prepare import prepare
 
     prepare(cfg)  # the model is built once, before any process starts
     cluster = Cluster(cfg=cfg, run_dir=run_dir, nats_url=nats_url)
     try:
-        cluster.start_all(rollouts=2, ranks=1)
+        cluster.start_all(rollouts=2, ranks=ranks)
         cluster.wait_for(lambda: (cluster.run_dir / "summary.json").exists(), timeout_s, "the end of the run")
         cluster.wait_all_exit(60)
     finally:

@@ -92,4 +92,4 @@ def test_quantized_run_end_to_end_is_audited(
     assert summary["steps"] == cfg.trainer.steps and summary["dead_lettered"] == 0
     check_held_weights(cluster)  # every worker reported, every report matches the trainer's quantized state
     published = [json.loads(line) for line in cluster.log("trainer-0").splitlines() if "weights_" in line]
-    assert any(p.get("event") == "weights_delta_published" for p in published)
+    assert any(p.get("event") == "weights_published" and p.get("mode") == "delta" for p in published)

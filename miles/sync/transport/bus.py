@@ -11,12 +11,46 @@ the stored chunks and manifest are those of a whole-payload ``put``.
 from __future__ import annotations
 
 import asyncio
-from typing import ClassVar
+from collections.abc import Callable
+from typing import ClassVar, TypeVar
 
 from miles.bus.errors import BusError
-from miles.sync.stream_export import PayloadLayout, encode_payload
+from miles.sync.stream_export import PayloadLayout, Sink, encode_payload
 from miles.sync.transport.base import Params, Published, Runner, TransportKind, runner
-from miles.sync.transport.dataplane import WeightStore
+from miles.sync.transport.dataplane import PayloadInfo, WeightStore
+
+T = TypeVar("T")
+
+
+async def write_streamed(
+    store: WeightStore, version: int, size: int | None, produce: Callable[[Sink], T], run: Runner | None
+) -> tuple[PayloadInfo, T]:
+    """Run ``produce(sink)`` on the torch thread (``run``), every piece it hands to ``sink`` going into
+    ``store`` as ``version`` (``size``: the payload's, if known in advance); the stored payload's info and what
+    ``produce`` returned."""
+    loop = asyncio.get_running_loop()
+    async with store.writer(version, size) as writer:
+
+        def sink(piece: memoryview) -> None:  # on the torch thread: wait until the loop took the piece
+            asyncio.run_coroutine_threadsafe(writer.write(piece), loop).result()
+
+        result = await runner(run)(lambda: produce(sink))
+    if writer.info is None:
+        raise BusError(f"weights v{version}: the store recorded nothing")
+    return writer.info, result
+
+
+def stored(info: PayloadInfo, state_digest: str, payload_sha256: str = "") -> Published:
+    """What to announce about a payload written into a data-plane store."""
+    return Published(
+        transport="bus",
+        version=info.version,
+        size=info.size,
+        chunks=info.chunks,
+        digest=info.digest,
+        state_digest=state_digest,
+        payload_sha256=payload_sha256,
+    )
 
 
 class BusTransport:
@@ -35,25 +69,12 @@ class BusTransport:
         )
 
     async def _publish(self, layout: PayloadLayout, params: Params, run: Runner | None) -> Published:
-        loop = asyncio.get_running_loop()
-        async with self.store.writer(layout.version, layout.size) as writer:
-
-            def sink(piece: memoryview) -> None:  # on the torch thread: wait until the loop took the piece
-                asyncio.run_coroutine_threadsafe(writer.write(piece), loop).result()
-
-            summary = await runner(run)(lambda: encode_payload(layout, params(), sink))
-        info = writer.info
-        if info is None or info.digest != summary.digest or info.size != summary.size:
-            raise BusError(f"weights v{layout.version}: the store recorded {info}, the encoder {summary}")
-        return Published(
-            transport="bus",
-            version=layout.version,
-            size=info.size,
-            chunks=info.chunks,
-            digest=info.digest,
-            state_digest=summary.state_digest,
-            payload_sha256=summary.payload_sha256,
+        info, summary = await write_streamed(
+            self.store, layout.version, layout.size, lambda sink: encode_payload(layout, params(), sink), run
         )
+        if info.digest != summary.digest or info.size != summary.size:
+            raise BusError(f"weights v{layout.version}: the store recorded {info}, the encoder {summary}")
+        return stored(info, summary.state_digest, summary.payload_sha256)
 
     async def fetch(self, version: int, digest: str, *, location: str = "") -> memoryview:
         return await self.store.get(version, expected_digest=digest)
