@@ -137,8 +137,14 @@ def _run(args: argparse.Namespace) -> int:
     status = _prepare(cfg)  # before NATS or any actor: a bad file or reward path is one line and exit 2
     if status:
         return status
-    from miles.launch import run_local
+    from miles.devices import DevicePlanError
+    from miles.launch import gpu_plan, run_local
 
+    try:
+        gpus = gpu_plan(cfg)  # before NATS or any actor: a run that does not fit this machine's GPUs is one line
+    except DevicePlanError as exc:
+        print(f"miles: error: {exc}", file=sys.stderr)
+        return 2
     nats_url = args.nats_url or cfg.bus.nats_url
     if nats_url:
         try:
@@ -146,7 +152,7 @@ def _run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"miles: error: --nats-url: {exc}", file=sys.stderr)
             return 2
-    return asyncio.run(run_local(cfg, run_dir, nats_url, quiet=args.quiet))
+    return asyncio.run(run_local(cfg, run_dir, nats_url, quiet=args.quiet, gpus=gpus))
 
 
 async def _serve_bus(run_dir: Path, max_payload_mb: int) -> int:

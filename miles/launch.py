@@ -75,8 +75,12 @@ def _spawn(name: str, cmd: list[str], run_dir: Path) -> Child:
     return Child(name, proc, log_path)
 
 
-def spawn_actors(cfg: RunConfig, config_path: Path, run_dir: Path, nats_url: str) -> list[Child]:
-    """Controller, rollout workers and trainer ranks as separate OS processes."""
+def spawn_actors(
+    cfg: RunConfig, config_path: Path, run_dir: Path, nats_url: str, gpus: dict[str, int] | None = None
+) -> list[Child]:
+    """Controller, rollout workers and trainer ranks as separate OS processes; a rollout worker in ``gpus``
+    (:func:`gpu_plan`) is told its GPU (trainer rank ``r`` takes GPU ``r`` itself)."""
+    gpus = gpus or {}
     children = [
         _spawn(
             "controller",
@@ -86,7 +90,8 @@ def spawn_actors(cfg: RunConfig, config_path: Path, run_dir: Path, nats_url: str
     ]
     for i in range(cfg.rollout.workers):
         rank = ["--weight-group-rank", str(i + 1)] if cfg.sync.transport == "broadcast" else []
-        cmd = node_command("rollout", config_path, run_dir, nats_url, "--actor-id", f"rollout-{i}", *rank)
+        gpu = ["--gpu", str(gpus[f"rollout-{i}"])] if f"rollout-{i}" in gpus else []
+        cmd = node_command("rollout", config_path, run_dir, nats_url, "--actor-id", f"rollout-{i}", *rank, *gpu)
         children.append(_spawn(f"rollout-{i}", cmd, run_dir))
     distill = cfg.trainer.algo.distill
     if distill is not None and distill.teacher.type == "actor":  # on-policy distillation from teacher actors
@@ -145,8 +150,22 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path) -> Path:
     return config_path
 
 
-async def run_local(cfg: RunConfig, run_dir: Path, nats_url: str | None, *, quiet: bool = False) -> int:
-    """Run a whole job on this machine; returns the process exit status."""
+def gpu_plan(cfg: RunConfig) -> dict[str, int]:
+    """This machine's GPU for each actor of the run that computes on CUDA (:func:`miles.devices.local_gpus`);
+    empty for a CPU run (torch is not even imported)."""
+    from miles.devices import engine_on_cuda, local_gpus, trainer_on_cuda
+
+    if not (trainer_on_cuda(cfg) or engine_on_cuda(cfg)):
+        return {}
+    import torch
+
+    return local_gpus(cfg, torch.cuda.device_count())
+
+
+async def run_local(
+    cfg: RunConfig, run_dir: Path, nats_url: str | None, *, quiet: bool = False, gpus: dict[str, int] | None = None
+) -> int:
+    """Run a whole job on this machine; returns the process exit status. ``gpus``: :func:`gpu_plan`."""
     from miles.bus.server import EmbeddedNats
     from miles.bus.setup import setup_run
     from miles.progress import ProgressView
@@ -165,7 +184,7 @@ async def run_local(cfg: RunConfig, run_dir: Path, nats_url: str | None, *, quie
             nats_url = server.url
         if cfg.bus.credentials_dir is None or (Path(cfg.bus.credentials_dir) / "setup").is_dir():
             await setup_run(cfg.bus, nats_url, cfg.name)  # else the run's operator set it up already
-        children = spawn_actors(cfg, config_path, run_dir, nats_url)
+        children = spawn_actors(cfg, config_path, run_dir, nats_url, gpus or {})
         view = ProgressView(cfg, nats_url, quiet=quiet)
         signalled = _StopSignals()
         try:

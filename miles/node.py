@@ -58,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="rollout, with sync.transport broadcast: this worker's rank in the weight-update group (1..workers).",
     )
+    p.add_argument(
+        "--gpu",
+        type=int,
+        default=None,
+        help="rollout: this machine's GPU for a torch engine whose rollout.engine.device is 'cuda' without an "
+        "index (default 0; `miles run` gives each worker a GPU after the trainer ranks', docs/deploy.md).",
+    )
     p.add_argument("--json", action="store_true", help="monitor: print JSON snapshots instead of a live view.")
     p.add_argument("--once", action="store_true", help="monitor: print one snapshot and exit.")
     p.add_argument(
@@ -121,6 +128,8 @@ def _main(argv: list[str] | None) -> int:
 
     if args.role == "setup":
         return _setup(cfg, args.nats_url)
+    if args.role == "rollout" and cfg.rollout.engine.type == "torch":
+        cfg = _pin_engine_device(cfg, args.gpu)
     try:
         worker = _build_rank_worker(cfg, args, run_dir) if args.role == "trainer" else None
         scoring = _build_teacher_scoring(cfg) if args.role == "teacher" else None
@@ -229,6 +238,20 @@ def _build_actor(
 
     assert worker is not None
     return TrainerLeader(cfg, bus, run_dir, ranks=LeaderRanks(worker))
+
+
+def _pin_engine_device(cfg: RunConfig, gpu: int | None) -> RunConfig:
+    """The config with this worker's engine device resolved (a bare 'cuda' gets ``--gpu``), pinned before the
+    engine loads its model or the worker joins a weight-update group (NCCL binds to the current device)."""
+    from miles.devices import pin, process_device
+
+    engine = cfg.rollout.engine
+    device = process_device(engine.device, gpu)
+    pin(device)
+    if device == engine.device:
+        return cfg
+    rollout = cfg.rollout.model_copy(update={"engine": engine.model_copy(update={"device": device})})
+    return cfg.model_copy(update={"rollout": rollout})
 
 
 def _limit_threads(threads: int | None) -> None:

@@ -65,11 +65,12 @@ _OK, _ABORTED = 1, 2
 def group_backend(cfg: RunConfig) -> Literal["gloo", "nccl"]:
     """The one backend of the run's weight-update group, the same for the trainer and every worker (members that
     chose their own could not meet: the rendezvous keys are prefixed by the backend's device). NCCL only when
-    the trainer and the engines are all on CUDA; gloo otherwise (a CUDA trainer sends from host memory)."""
-    trainer_cuda = str(getattr(cfg.trainer.backend, "device", "cpu")).startswith("cuda")
-    engine = cfg.rollout.engine
-    engines_cuda = engine.type == "torch" and engine.device.startswith("cuda")
-    return "nccl" if trainer_cuda and engines_cuda else "gloo"
+    the trainer (FSDP on cuda, or Megatron) and the engines are all on CUDA; gloo otherwise (a CUDA trainer
+    sends from host memory). An NCCL member joins on its current device, which every process pins first
+    (:mod:`miles.devices`)."""
+    from miles.devices import engine_on_cuda, trainer_on_cuda
+
+    return "nccl" if trainer_on_cuda(cfg) and engine_on_cuda(cfg) else "gloo"
 
 
 def join_run_group(cfg: RunConfig, rank: int) -> WeightUpdateGroup:
