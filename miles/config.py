@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, Tag, ValidationError, field_v
 
 from miles.algo.config import AlgoConfig  # the RL objective's sections live next to their code
 from miles.bus.urls import split_urls
-from miles.config_base import IMPORT_TAG, REWARD_RANGE_DOC, RewardRange, Strict, TaskBase, variant
+from miles.config_base import IMPORT_TAG, REWARD_RANGE_DOC, TRANSPORT_NAME, RewardRange, Strict, TaskBase, variant
 from miles.models.families.config import FamilyModelConfig
 from miles.sandbox.config import SandboxConfig
 from miles.security.config import BusSecurityFields
@@ -580,12 +580,15 @@ class SyncConfig(Strict):
         "anchor_every + keep_versions deltas, so every delta since the newest anchor stays fetchable).",
     )
     anchor_every: int = Field(10, ge=1, description="Delta mode: publish a full anchor every this many versions.")
-    transport: Literal["bus", "fs", "broadcast"] = Field(
+    transport: str = Field(
         "bus",
+        pattern=TRANSPORT_NAME,
         description="How full-mode payloads reach the workers (the announcement, digests and audit are the same "
-        "for all): 'bus' (the JetStream data plane), 'fs' (a directory every trainer and worker host sees: "
-        "sync.fs_dir), 'broadcast' (a torch.distributed weight-update group of the trainer and the workers, "
-        "falling back to the bus for good if a member dies). docs/weight-sync.md",
+        "for all), a name registered on both sides (miles.sync.sender.register_transport, "
+        "miles.sync.receiver.register_receiver; checked by `miles prepare`): 'bus' (the JetStream data plane), "
+        "'fs' (a directory every trainer and worker host sees: sync.fs_dir), 'broadcast' (a torch.distributed "
+        "weight-update group of the trainer and the workers, falling back to the bus for good if a member dies). "
+        "docs/weight-sync.md",
     )
     fs_dir: str | None = Field(
         None, description="transport 'fs': the shared directory (None: <run dir>/weights-fs, fine on one machine)."
@@ -688,6 +691,12 @@ class RunConfig(Strict):
 
     name: str = Field("miles", pattern=r"^[A-Za-z0-9_-]+$", description="Run id; prefixes every stream and bucket.")
     seed: int = Field(0, description="Global seed.")
+    plugins: list[str] = Field(
+        default_factory=list,
+        description="Modules every process of the run imports when it loads this recipe, before it builds "
+        "anything: where your own registrations run (a weight transport's two sides, docs/extending.md). "
+        "Found on sys.path and in the working directory.",
+    )
     model: ModelConfig = Field(default_factory=TinyModelConfig)
     task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -703,6 +712,15 @@ class RunConfig(Strict):
         """Workers hold the trained tensors cast to ``sync.dtype`` (not quantized codes, no LoRA merged into
         them): the trainer can reproduce their weights exactly by the same cast (the log-prob audit does)."""
         return self.sync.dtype in ("bfloat16", "float32") and self.trainer.lora is None
+
+    @field_validator("plugins")
+    @classmethod
+    def _import_plugins(cls, modules: list[str]) -> list[str]:
+        from miles.plugins import import_module
+
+        for name in modules:
+            import_module(name, "")  # a module that does not import fails the recipe, in one line (under 'plugins')
+        return modules
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

@@ -36,6 +36,10 @@ class TaskBase(Strict):
         return value
 
 
+# A weight transport's name (sync.transport, announcements, run info): registered on both sides by name, so no
+# list of names is closed in the config or the schema.
+TRANSPORT_NAME = r"^[a-z][a-z0-9_]{0,31}$"
+
 # The tag of a variant named by a user's import path (``type: package.module:Name``, miles.plugins).
 IMPORT_TAG = "import"
 

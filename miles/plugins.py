@@ -37,19 +37,26 @@ def importable_cwd() -> None:
         sys.path.append(directory)
 
 
+def import_module(name: str, what: str) -> Any:
+    """Import module ``name`` (on ``sys.path`` or in the working directory); :class:`PluginError` naming ``what``
+    (if given) otherwise."""
+    importable_cwd()
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        where = f"{what}: " if what else ""
+        raise PluginError(
+            f"{where}cannot import module {name!r} ({exc}); modules are found on sys.path and in the working "
+            f"directory {os.getcwd()}"
+        ) from None
+
+
 def import_object(path: str, what: str) -> Any:
     """``'package.module:attr'`` -> the object; :class:`PluginError` naming ``what`` and the path otherwise."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise PluginError(f"{what} {path!r} must have the form 'package.module:name'")
-    importable_cwd()
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise PluginError(
-            f"{what} {path!r}: cannot import module {module_name!r} ({exc}); modules are found on sys.path and "
-            f"in the working directory {os.getcwd()}"
-        ) from None
+    obj = import_module(module_name, f"{what} {path!r}")
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)

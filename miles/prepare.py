@@ -62,6 +62,13 @@ def prepare(cfg: RunConfig) -> Path:
         except TeacherError as exc:
             raise PrepareError(str(exc)) from None
     prepare_engine(cfg)
+    from miles.plugins import PluginError
+    from miles.sync.receiver import check_transport
+
+    try:
+        check_transport(cfg.sync.transport)
+    except PluginError as exc:
+        raise PrepareError(f"sync.transport: {exc}") from None
     return model_dir
 
 

@@ -17,6 +17,8 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from miles.config_base import TRANSPORT_NAME
+
 SCHEMA_VERSION = 2
 # What changed at each version, for the dead-letter reason of a message from an older producer.
 SCHEMA_CHANGES = {
@@ -292,11 +294,13 @@ class WeightsAnnounced(Message):
     precision: str = Field(
         "bfloat16", description="Rollout precision (sync.dtype): bfloat16, float32, fp8_e4m3 or fp4_e2m1."
     )
-    transport: Literal["bus", "fs", "broadcast"] = Field(
+    transport: str = Field(
         "bus",
-        description="Where the payload is: 'bus' (the data plane streams), 'fs' (the directory 'location' under "
-        "the run's shared weights directory), 'broadcast' (already received by the weight-update group "
-        "'location'; readers outside the group wait for a bus announcement of a newer version).",
+        pattern=TRANSPORT_NAME,
+        description="Where the payload is, a registered transport name: 'bus' (the data plane streams), 'fs' (the "
+        "directory 'location' under the run's shared weights directory), 'broadcast' (already received by the "
+        "weight-update group 'location'; readers outside the group wait for a bus announcement of a newer "
+        "version). A worker fetches from the transport of that name, or refuses the version if it reads none.",
     )
     location: str = Field("", description="fs: the version's directory name; broadcast: the group's name.")
     payload_sha256: str = Field(

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import structlog
@@ -46,10 +47,8 @@ from miles.sync.delta import DeltaError, apply_state_delta
 from miles.sync.engine_weights import EngineWeights
 from miles.sync.payload import deserialize_state
 from miles.sync.precision import state_digest
-from miles.sync.transport.base import TransportBroken
-from miles.sync.transport.broadcast import BroadcastReceiver
+from miles.sync.transport.base import PayloadSource, TransportBroken
 from miles.sync.transport.dataplane import WeightStore
-from miles.sync.transport.fs import FsTransport
 
 log = structlog.get_logger(__name__)
 
@@ -76,16 +75,16 @@ class WeightFollower:
         *,
         delta_store: WeightStore | None = None,
         decoder: EngineWeights | None = None,
-        fs: FsTransport | None = None,
-        receiver: BroadcastReceiver | None = None,
+        sources: Mapping[str, PayloadSource] | None = None,
         require_payload_sha256: bool = False,
     ) -> None:
         self.bus = bus
         self.require_payload_sha256 = require_payload_sha256  # bus.payload_sha256: refuse payloads without one
         self.store = store
         self.engine = engine
-        self.fs = fs  # sync.transport 'fs': the shared weights directory
-        self.receiver = receiver  # sync.transport 'broadcast': this worker's member of the weight-update group
+        # Where payloads announced with a transport other than the bus are fetched, by its name (the shared
+        # directory of 'fs', this worker's member of a 'broadcast' group, ...).
+        self.sources: Mapping[str, PayloadSource] = dict(sources or {})
         # Published state -> engine weights (dequantize FP8/FP4, merge a LoRA adapter onto the frozen base).
         self.decoder = decoder or EngineWeights(dict)
         # Delta key space: given in delta mode; a reader is made on the first delta announcement otherwise.
@@ -290,17 +289,17 @@ class WeightFollower:
     async def _full_payload(self, ann: WeightsAnnounced, check_digest: bool) -> memoryview:
         """A full payload from wherever its announcement says it is (docs/weight-sync.md, transports)."""
         digest = ann.digest if check_digest else None
-        if ann.transport == "fs" and self.fs is not None:
-            payload = await self.fs.fetch(ann.version, ann.digest)
-        elif ann.transport == "broadcast":
-            if self.receiver is None:
-                raise PayloadMissing(f"weights v{ann.version} went to a weight-update group this worker is not in")
-            payload = await self.receiver.fetch(ann.version, ann.digest)
-        else:
+        source = self.sources.get(ann.transport)
+        if ann.transport == "bus":
             payload = await self._get(self.store, ann.version, digest)
             if check_digest:
                 await self._check_sha256(payload, ann)
             return payload
+        if source is None:
+            raise PayloadMissing(
+                f"weights v{ann.version} went over transport {ann.transport!r}, which this worker does not read"
+            )
+        payload = await source.fetch(ann.version, ann.digest, location=ann.location)
         self._bytes += payload.nbytes
         self.fetched_bytes += payload.nbytes
         await self._check_sha256(payload, ann)

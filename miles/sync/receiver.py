@@ -13,15 +13,15 @@ import contextlib
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from miles.bus.client import KEY_TRAINER_VERSION
 from miles.engines.base import StagingEngine
 from miles.plugins import Registry
 from miles.sync.follower import WeightFollower
 from miles.sync.lora import lora_scale
-from miles.sync.sender import open_stores
-from miles.sync.transport.base import TransportBroken
+from miles.sync.sender import TRANSPORTS, open_stores
+from miles.sync.transport.base import PayloadSource, TransportBroken
 from miles.sync.transport.broadcast import BroadcastReceiver, join_run_group
 from miles.sync.transport.fs import FsTransport, fs_root
 
@@ -41,12 +41,21 @@ class ReceiverContext:
     log: Any
 
 
+class Service(Protocol):
+    """Something a transport's worker side runs alongside the follower (a weight-update group's receiver)."""
+
+    async def start(self) -> Any: ...
+
+    async def stop(self) -> None: ...
+
+
 @dataclass(slots=True)
 class ReceiverSide:
-    """A transport's worker side: what the follower reads from (either may be None: the bus data plane then)."""
+    """A transport's worker side: where the follower fetches payloads announced with that transport (None: the
+    bus data plane), and what runs alongside it. The follower knows no transport by name."""
 
-    fs: FsTransport | None = None
-    group: BroadcastReceiver | None = None
+    source: PayloadSource | None = None
+    service: Service | None = None
 
 
 RECEIVER_TRANSPORTS: Registry[Awaitable[ReceiverSide]] = Registry("weight receiver")  # factory(ReceiverContext)
@@ -60,7 +69,7 @@ async def _bus(ctx: ReceiverContext) -> ReceiverSide:
 
 @register_receiver("fs")
 async def _fs(ctx: ReceiverContext) -> ReceiverSide:
-    return ReceiverSide(fs=FsTransport(fs_root(ctx.cfg, ctx.run_dir), keep_versions=ctx.cfg.sync.keep_versions))
+    return ReceiverSide(source=FsTransport(fs_root(ctx.cfg, ctx.run_dir), keep_versions=ctx.cfg.sync.keep_versions))
 
 
 @register_receiver("broadcast")
@@ -72,8 +81,15 @@ async def _broadcast(ctx: ReceiverContext) -> ReceiverSide:
         return ReceiverSide()
     if ctx.group_rank is None:
         raise ValueError("sync.transport 'broadcast' needs this worker's --weight-group-rank (1..rollout.workers)")
-    group = await asyncio.to_thread(join_run_group, ctx.cfg, ctx.group_rank)
-    return ReceiverSide(group=BroadcastReceiver(group))
+    group = BroadcastReceiver(await asyncio.to_thread(join_run_group, ctx.cfg, ctx.group_rank))
+    return ReceiverSide(source=group, service=group)
+
+
+def check_transport(name: str) -> None:
+    """:class:`~miles.plugins.PluginError` unless both sides of ``sync.transport: name`` are registered (the
+    trainer's in :data:`miles.sync.sender.TRANSPORTS`, the worker's in :data:`RECEIVER_TRANSPORTS`)."""
+    TRANSPORTS.factory(name)
+    RECEIVER_TRANSPORTS.factory(name)
 
 
 class WeightReceiver:
@@ -84,16 +100,16 @@ class WeightReceiver:
         self.side = side
 
     async def run(self, stopping: asyncio.Event) -> None:
-        """Follow announcements until ``stopping`` (the broadcast receiver, if any, runs alongside)."""
-        group = self.side.group
-        if group is not None:
-            await group.start()
+        """Follow announcements until ``stopping`` (the transport's service, if any, runs alongside)."""
+        service = self.side.service
+        if service is not None:
+            await service.start()
         try:
             await self.follower.run(stopping)
         finally:
-            if group is not None:
+            if service is not None:
                 with contextlib.suppress(TransportBroken):  # reported when it happened; the bus took over
-                    await group.stop()
+                    await service.stop()
 
 
 async def build_receiver(
@@ -117,8 +133,7 @@ async def build_receiver(
         engine,
         delta_store=delta_store,
         decoder=sink,
-        fs=side.fs,
-        receiver=side.group,
+        sources={} if side.source is None else {cfg.sync.transport: side.source},
         require_payload_sha256=cfg.bus.payload_sha256,
     )
     return WeightReceiver(follower, side)

@@ -129,7 +129,7 @@ async def test_fs_transport_publishes_atomically_and_verifies(tmp_path: Path) ->
     assert last.location == str(tmp_path / "weights" / "v3")
     assert (Path(last.location) / "config.json").exists()
     assert json.loads((Path(last.location) / "manifest.json").read_text())["state_digest"] == last.state_digest
-    payload = await transport.fetch(3, last.digest, location=last.location)
+    payload = await transport.fetch(3, last.digest, location=Path(last.location).name)  # as announced
     assert state_digest(verified_state(payload, last.state_digest)) == state_digest(to_rollout_state(s, "bfloat16"))
 
     with pytest.raises(PayloadMissing):

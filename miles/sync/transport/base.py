@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 
@@ -30,7 +30,7 @@ from miles.sync.precision import state_digest
 from miles.sync.stream_export import PayloadLayout
 
 T = TypeVar("T")
-TransportKind = Literal["bus", "fs", "broadcast", "sglang"]
+TransportKind = str  # a transport's registered name: bus, fs, broadcast, sglang, or one of your own
 Params = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 Runner = Callable[[Callable[[], T]], Awaitable[T]]
 
@@ -66,6 +66,14 @@ class Published:
     def transport_fields(self) -> dict[str, Any]:
         """The proposed new ``WeightsAnnounced`` fields: ``transport`` and ``location``."""
         return {"transport": self.transport, "location": self.location}
+
+
+class PayloadSource(Protocol):
+    """A worker's way to the payloads of one transport (the follower fetches a version announced with it)."""
+
+    async def fetch(self, version: int, digest: str, *, location: str = "") -> memoryview:
+        """The payload of ``version``, verified against ``digest``."""
+        ...
 
 
 class WeightTransport(Protocol):

@@ -136,7 +136,11 @@ class FsTransport:
     # ------------------------------------------------------------------ fetch
 
     async def fetch(self, version: int, digest: str, *, location: str = "") -> memoryview:
-        return await asyncio.to_thread(self._fetch, version, digest, Path(location) if location else None)
+        """The payload of ``version`` from this reader's root; ``location`` is the directory name the announcement
+        carries (the writer's root may be mounted elsewhere here), never a path out of the root."""
+        if location and (Path(location).name != location or location in (".", "..")):
+            raise PayloadMissing(f"weights v{version}: location {location!r} is not a directory name under {self.root}")
+        return await asyncio.to_thread(self._fetch, version, digest, self.root / location if location else None)
 
     def _fetch(self, version: int, expected: str, directory: Path | None) -> memoryview:
         directory = directory or self.path(version)
