@@ -85,7 +85,10 @@ def _convert(path: Path, out: Path) -> dict[str, Any]:
     log.info("converting GGUF checkpoint", file=str(path), out=str(out))
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # the weights below are dense float32: nothing is quantized any more
+        del config.quantization_config  # (left in, transformers flags the model quantized and trainers refuse it)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())  # a plain model: transformers does not save GGUF-loaded ones
     model.generation_config = loaded.generation_config
     model.save_pretrained(out)

@@ -40,6 +40,8 @@ def test_smollm2_from_gguf_renders_stops_and_scores_like_its_engine(tmp_path: Pa
     assert model_dir == pretrained_dir(cfg.model)  # every process finds the conversion
     info = json.loads((model_dir / "miles_build.json").read_text())
     assert info["gguf_file_type"] == "Q4_1" and info["parameters"] == 134_515_008, info
+    # Dense float32 now: not flagged as quantized (transformers' trainers refuse a model that is).
+    assert "quantization_config" not in json.loads((model_dir / "config.json").read_text())
 
     model, tokenizer = load_policy(model_dir)
     messages = [{"role": "user", "content": "Which is the largest of 3, 17 and 9? Answer with the number only."}]
