@@ -1,9 +1,9 @@
 """Streamed weight export: full tensors one at a time -> a rollout-precision safetensors payload, in pieces.
 
-Today's export gathers the whole state on rank 0, converts it (:func:`miles.sync.precision.to_rollout_state`),
-serialises it (:func:`miles.sync.payload.serialize_state`) and only then puts it in the data plane: three
-copies of the model on one rank. Here nothing larger than one parameter (plus the transport's bucket) is
-ever held:
+Gathering the whole state on rank 0, converting it (:func:`miles.sync.precision.to_rollout_state`) and
+serialising it (:func:`miles.sync.payload.serialize_state`) before anything reaches the data plane would hold
+three copies of the model on one rank. Here nothing larger than one parameter (plus the transport's bucket)
+is ever held (every sync mode: delta mode's owners, :mod:`miles.sync.owned_delta`, use the same conversion):
 
 * **Plan up front.** Names, shapes and dtypes of the published tensors follow from the model's parameter
   specs and the precision alone (:func:`rollout_specs`), so the safetensors header, every offset and the
