@@ -47,11 +47,15 @@ Time per step, both sides from their second step on (the first pays each side's 
 
 The model is built (or found in the cache) before either run, so neither pays the one-off build.
 If the Miles run fails the TRL side still runs; the failure is reported and the exit status is 1.
+
+For a pretrained model (LoRA, chat template), with accuracy curves, time to a target accuracy and accuracy at
+equal wall time per seed, see ``benchmarks/real_model_vs_trl.py``, which reuses this file's process runner.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -98,33 +102,111 @@ def child_env(threads: int) -> dict[str, str]:
     return env
 
 
-def run_measured(cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: float) -> dict[str, Any]:
+class TreeCpuSampler:
+    """Samples the CPU seconds (user + system) of a process and all its descendants every ``interval_s``
+    (psutil), with the whole machine's busy CPU seconds, as ``(epoch seconds, tree CPU, machine CPU)``, so that
+    the CPU of a window of a run (its training, say), and what other processes took meanwhile, can be read off.
+    Reaped children's CPU is in their parent's ``children_*`` times, so the sum over the live tree does not
+    drop when an actor exits while its parent lives."""
+
+    def __init__(self, pid: int, interval_s: float) -> None:
+        import threading
+
+        self.pid = pid
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="cpu-sampler", daemon=True)
+
+    def tree_cpu_s(self) -> float | None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return None
+        total = 0.0
+        for proc in procs:
+            try:
+                t = proc.cpu_times()
+            except psutil.Error:
+                continue  # exited meanwhile: its CPU is now its parent's children_* time
+            total += t.user + t.system + t.children_user + t.children_system
+        return total
+
+    def _loop(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            cpu = self.tree_cpu_s()
+            machine = psutil.cpu_times()
+            busy = sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)
+            if cpu is not None:
+                self.samples.append((round(time.time(), 3), round(cpu, 3), round(busy, 3)))
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> TreeCpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def cpu_between(samples: list[tuple[float, ...]], start: float, end: float, column: int = 1) -> float | None:
+    """CPU seconds spent between epoch times ``start`` and ``end``, linearly interpolated between the samples of a
+    :class:`TreeCpuSampler` (``column`` 1: the process tree, 2: the whole machine); None when the samples do not
+    cover the window."""
+
+    def at(t: float) -> float | None:
+        for a, b in zip(samples, samples[1:], strict=False):
+            if a[0] <= t <= b[0]:
+                c0, c1 = a[column], b[column]
+                return c0 if b[0] == a[0] else c0 + (c1 - c0) * (t - a[0]) / (b[0] - a[0])
+        return None
+
+    a, b = at(start), at(end)
+    return None if a is None or b is None else b - a
+
+
+def run_measured(
+    cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: float, sample_cpu_s: float | None = None
+) -> dict[str, Any]:
     """Run ``cmd`` to completion; return its status, wall seconds and the CPU seconds of its whole process tree.
 
     CPU time comes from ``RUSAGE_CHILDREN``, which counts every descendant that was waited for (the
     Miles launcher waits for its actors and the nats-server), so it is the cost of the whole side.
+    With ``sample_cpu_s``, the tree's CPU is also sampled that often (``cpu_samples``, see
+    :class:`TreeCpuSampler`).
     """
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     load = os.getloadavg()[0]
     start = time.perf_counter()
+    samples: list[tuple[float, float, float]] = []
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            status = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            # SIGINT first: `miles run` then stops its actors (they run in their own sessions, so killing
-            # the launcher alone would orphan them).
-            proc.send_signal(signal.SIGINT)
+        sampler = TreeCpuSampler(proc.pid, sample_cpu_s) if sample_cpu_s else contextlib.nullcontext()
+        with sampler:
             try:
-                proc.wait(timeout=60)
+                status = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            status = 124
+                # SIGINT first: `miles run` then stops its actors (they run in their own sessions, so killing
+                # the launcher alone would orphan them).
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                status = 124
+        if isinstance(sampler, TreeCpuSampler):
+            samples = sampler.samples
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {
+    out: dict[str, Any] = {
         "returncode": status,
         "process_wall_s": round(wall, 2),
         "cpu_s": round(cpu, 2),
@@ -132,6 +214,9 @@ def run_measured(cmd: list[str], env: dict[str, str], log_path: Path, timeout_s:
         "command": cmd,
         "log": str(log_path),
     }
+    if sample_cpu_s:
+        out["cpu_samples"] = samples
+    return out
 
 
 def tail(path: Path, lines: int = 25) -> str:
