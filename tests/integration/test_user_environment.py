@@ -38,5 +38,7 @@ def test_a_users_multi_turn_environment_trains_from_the_directory_miles_run_star
     rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     turns = sum(r["turns_mean"] for r in rows) / len(rows)
     assert turns >= 2.0, turns  # multi-turn: the model searches over several guesses
-    # Learns: greedy held-out play after 60 steps finds the number more often than the warmed-up model.
-    assert summary["eval_after"] >= summary["eval_before"] + 0.15, (summary["eval_before"], summary["eval_after"])
+    # Learns: greedy held-out play after 60 steps finds the number more often than the warmed-up model (0.33 ->
+    # 0.47-0.73 over seven runs, idle and beside a test suite or two CPU burners: the asynchronous schedule, and
+    # with it the trajectory, depends on the machine's load; 0.10 is 6 more numbers found of 64).
+    assert summary["eval_after"] >= summary["eval_before"] + 0.10, (summary["eval_before"], summary["eval_after"])
