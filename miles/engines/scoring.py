@@ -17,9 +17,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import httpx
-
 from miles.engines.base import EngineError
+from miles.engines.server_client import ServerClient
 
 
 class TeacherScoring(Protocol):
@@ -75,10 +74,8 @@ class SglangScoring:
 
     def __init__(self, url: str, *, timeout_s: float = 120.0, max_connections: int = 64) -> None:
         self.base_url = url.rstrip("/")
-        self.client = httpx.AsyncClient(
-            base_url=self.base_url,
-            timeout=httpx.Timeout(timeout_s, pool=None),
-            limits=httpx.Limits(max_connections=max_connections),
+        self.client = ServerClient(
+            self.base_url, server="the SGLang teacher", timeout_s=timeout_s, max_connections=max_connections
         )
 
     @staticmethod
@@ -115,13 +112,8 @@ class SglangScoring:
     async def _one(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
         if not token_ids:
             return []
-        try:
-            response = await self.client.post("/generate", json=self.payload(prompt_ids, token_ids))
-        except httpx.HTTPError as exc:
-            raise EngineError(f"SGLang teacher at {self.base_url}: {type(exc).__name__}: {exc}") from None
-        if response.status_code >= 400:
-            raise EngineError(f"SGLang teacher /generate -> HTTP {response.status_code}: {response.text[:300]}")
-        return self.parse(prompt_ids, token_ids, response.json())
+        reply = await self.client.call("POST", "/generate", json_body=self.payload(prompt_ids, token_ids))
+        return self.parse(prompt_ids, token_ids, reply)
 
     async def score(self, sequences: Sequence[tuple[list[int], list[int]]], temperature: float) -> list[list[float]]:
         if temperature != 1.0:
@@ -129,4 +121,4 @@ class SglangScoring:
         return list(await asyncio.gather(*(self._one(list(p), list(t)) for p, t in sequences)))
 
     async def close(self) -> None:
-        await self.client.aclose()
+        await self.client.close()

@@ -1,9 +1,9 @@
 """Engine that drives an SGLang server over its native HTTP API: one ``/generate`` per request, many in flight.
 
 Used on GPU nodes, where SGLang's paged attention, continuous batching and CUDA graphs beat our embedded
-loop; the server does the batching, so this client only keeps requests in flight. Generation is async
-(``httpx.AsyncClient``, opened by :meth:`SglangEngine.start`); the weight endpoints are blocking calls on
-a separate sync client, because they are made from the staging loader thread and from start-up code.
+loop; the server does the batching, so this client only keeps requests in flight. Requests go through
+:class:`~miles.engines.server_client.ServerClient`: generation on its async side, the weight endpoints on
+its blocking side, because they are made from the staging loader thread and from start-up code.
 
 The contract we rely on, pinned down by ``tests/unit/test_sglang_engine_contract.py``:
 
@@ -46,11 +46,11 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import structlog
 
 from miles.config import SglangEngineConfig
 from miles.engines.base import EngineError, FinishReason, Generation, SamplingParams
+from miles.engines.server_client import ServerClient, ServerError, ServerUnreachable
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +61,7 @@ UNBOUNDED_CONTEXT = 2**31 - 1  # no context limit known: the server refuses what
 MAX_CONNECTIONS = 512  # requests beyond this wait for a free connection (no timeout on that wait)
 
 
-class SglangError(EngineError):
+class SglangError(ServerError):
     """The server refused a request or answered outside the contract above (one-line message)."""
 
 
@@ -90,10 +90,6 @@ def _reply_message(reply: Any) -> str:
     if isinstance(reply, dict):
         return str(reply.get("error_message") or reply.get("message") or reply)
     return repr(reply)
-
-
-def _one_line(text: str, limit: int = 300) -> str:
-    return " ".join(text.split())[:limit]
 
 
 class SglangEngine:
@@ -125,12 +121,18 @@ class SglangEngine:
         self.adapter_prefix = adapter_prefix
         self._max_context = int(max_context) if max_context else UNBOUNDED_CONTEXT
         self._version = int(version)
-        self._state_lock = threading.Lock()  # guards _version, _adapter, _loaded, _control; held only briefly
+        self._state_lock = threading.Lock()  # guards _version, _adapter, _loaded; held only briefly
         self._load_lock = threading.Lock()  # one load_adapter at a time (held across its HTTP calls)
         self._adapter: tuple[str, int] | None = None  # (name, version) that new requests use
         self._loaded: dict[str, str] = {}  # name -> path of adapters loaded and not unloaded, oldest first
-        self._client: httpx.AsyncClient | None = None  # generation, opened by start()
-        self._control: httpx.Client | None = None  # weight endpoints, opened on first use
+        self._client = ServerClient(
+            self.base_url,
+            server="SGLang",
+            timeout_s=cfg.timeout_s,
+            max_connections=MAX_CONNECTIONS,
+            refused=SglangError,
+        )
+        self._started = False
         self._error: EngineError | None = None
 
     # ------------------------------------------------------------------ state
@@ -163,24 +165,15 @@ class SglangEngine:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Open the generation client (bound to the running event loop)."""
-        if self._client is not None:
+        """Accept generation requests (the client's connections open on the running event loop)."""
+        if self._started:
             raise EngineError("SglangEngine is already started")
-        self._client = httpx.AsyncClient(
-            base_url=self.base_url,
-            timeout=httpx.Timeout(self.cfg.timeout_s, pool=None),
-            limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=64),
-        )
+        self._started = True
 
     async def close(self) -> None:
-        """Close both clients; the engine may be started again."""
-        client, self._client = self._client, None
-        if client is not None:
-            await client.aclose()
-        with self._state_lock:
-            control, self._control = self._control, None
-        if control is not None:
-            control.close()
+        """Close the client's connections; the engine may be started again."""
+        self._started = False
+        await self._client.close()
 
     async def __aenter__(self) -> SglangEngine:
         await self.start()
@@ -205,8 +198,7 @@ class SglangEngine:
             raise ValueError(f"max_new_tokens must be positive, got {params.max_new_tokens}")
         if self._error is not None:
             raise EngineError(str(self._error)) from self._error
-        client = self._client
-        if client is None:
+        if not self._started:
             raise EngineError("SglangEngine is not started: use `async with engine:` or `await engine.start()`")
         with self._state_lock:  # one adapter for the whole request, even if load_adapter runs meanwhile
             adapter = self._adapter
@@ -225,7 +217,7 @@ class SglangEngine:
         }
         if adapter is not None:
             payload["lora_path"] = adapter[0]
-        reply = await self._post_generate(client, payload)
+        reply = await self._post_generate(payload)
         if isinstance(reply, list) and len(reply) == 1:  # a server that answers every request as a batch
             reply = reply[0]
         if not isinstance(reply, dict):
@@ -235,18 +227,18 @@ class SglangEngine:
             gen.finish_reason = "context"  # the budget was the context's, not max_new_tokens
         return gen
 
-    async def _post_generate(self, client: httpx.AsyncClient, payload: dict[str, Any]) -> Any:
+    async def _post_generate(self, payload: dict[str, Any]) -> Any:
         try:
-            response = await client.post("/generate", json=payload)
-        except httpx.ConnectError as exc:
+            return await self._client.call("POST", "/generate", json_body=payload)
+        except ServerUnreachable as exc:
             if self._error is None:  # the first request to find the server gone says so; the rest only fail
-                reason = _one_line(str(exc)) or "connect failed"
-                self._error = EngineError(f"cannot reach SGLang at {self.base_url}: {reason}")
+                self._error = EngineError(str(exc))
                 log.error("sglang_unreachable", url=self.base_url, error=str(self._error))
             raise EngineError(str(self._error)) from None
-        except httpx.HTTPError as exc:
-            raise SglangError(f"POST /generate: {type(exc).__name__}: {_one_line(str(exc))}") from None
-        return self._json("POST", "/generate", response)
+        except ServerError as exc:
+            if isinstance(exc, SglangError):
+                raise
+            raise SglangError(str(exc)) from None  # a dropped connection fails this request only
 
     def _parse(self, prompt: list[int], item: Mapping[str, Any], adapter_version: int | None) -> Generation:
         meta = item.get("meta_info") or {}
@@ -272,29 +264,14 @@ class SglangEngine:
 
     # ------------------------------------------------------------------ blocking control calls
 
-    def _json(self, method: str, path: str, response: httpx.Response) -> Any:
-        if response.status_code >= 400:
-            raise SglangError(f"{method} {path} -> HTTP {response.status_code}: {_one_line(response.text)}")
-        if not response.content:
-            return None
-        try:
-            return response.json()
-        except ValueError:
-            raise SglangError(f"{method} {path}: response is not JSON: {_one_line(response.text, 200)!r}") from None
-
     def _request(self, method: str, path: str, payload: Any | None = None) -> Any:
-        """A blocking call to a weight or info endpoint (any thread)."""
-        with self._state_lock:
-            if self._control is None:
-                self._control = httpx.Client(base_url=self.base_url, timeout=self.cfg.timeout_s)
-            control = self._control
+        """A blocking call to a weight or info endpoint (any thread); every failure is a :class:`SglangError`."""
         try:
-            response = control.request(method, path, json=payload)
-        except httpx.ConnectError:
-            raise SglangError(f"{method} {path}: cannot reach SGLang at {self.base_url}") from None
-        except httpx.HTTPError as exc:
-            raise SglangError(f"{method} {path}: {type(exc).__name__}: {_one_line(str(exc))}") from None
-        return self._json(method, path, response)
+            return self._client.call_blocking(method, path, json_body=payload)
+        except SglangError:
+            raise
+        except ServerError as exc:
+            raise SglangError(str(exc)) from None
 
     def load_weights(
         self, state: Mapping[str, torch.Tensor] | None, version: int, model_path: str | None = None

@@ -4,12 +4,16 @@ server's weight-version spans become ours, the config refuses what the engine ca
 from __future__ import annotations
 
 import importlib.util
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
 
 from miles.config import ConfigError, VllmEngineConfig, load_config
+from miles.engines.server_client import ConnectionLost, ServerClient, ServerError
 from miles.engines.vllm.engine import VllmEngine, VllmError
 from miles.engines.vllm.server import WORKER_DIR, server_command
 from miles.sync.precision import state_digest
@@ -109,39 +113,70 @@ class DiesAfterLoading:
         return None
 
 
+class KilledAfterFirstLoad:
+    """A local HTTP server that answers ``/pause`` and the first ``/collective_rpc``, then drops every
+    connection without a reply, as a server killed at that moment does."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                path = self.path.split("?")[0]
+                server.calls.append(path)
+                body = b""
+                if path == "/collective_rpc" and server.calls.count("/collective_rpc") == 1:
+                    body = json.dumps({"results": [{"ok": True, "digest": "d5"}]}).encode()
+                elif path != "/pause":
+                    self.close_connection = True  # killed from here on: the connection drops, no reply
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
 async def test_a_server_lost_between_load_and_label_is_restarted_not_given_up(tmp_path: Path) -> None:
-    import httpx
-
-    calls: list[str] = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        calls.append(request.url.path)
-        if request.url.path == "/pause":
-            return httpx.Response(200)
-        if request.url.path == "/collective_rpc" and calls.count("/collective_rpc") == 1:
-            return httpx.Response(200, json={"results": [{"ok": True, "digest": "d5"}]})
-        raise httpx.ConnectError("All connection attempts failed", request=request)  # killed from here on
-
+    fake = KilledAfterFirstLoad()
     engine = make_engine(3)
     engine.server = DiesAfterLoading()  # type: ignore[assignment]  # ours to restart
     engine._held_file = (3, tmp_path / "v3.safetensors", "d3")
-    engine._client = httpx.AsyncClient(base_url="http://vllm", transport=httpx.MockTransport(handler))
+    engine._client = ServerClient(fake.url, server="vLLM", timeout_s=5.0, refused=VllmError)
     engine._serving.set()
-    with pytest.raises(VllmError):
-        await engine._switch(5, tmp_path / "v5.safetensors", "d5")
-    # The restore found the server gone: not a fatal error (a restart reloads the held file), but nothing is
-    # sent to it meanwhile and the supervisor is asked to restart it.
-    assert calls[:4] == ["/pause", "/collective_rpc", "/update_weight_version", "/collective_rpc"]
-    assert engine.error is None and engine.version == 3
-    assert not engine._serving.is_set() and engine._restart_reason is not None
-    # A server of someone else's (a URL) that cannot be restored is given up on: it may serve wrong weights.
-    calls.clear()
-    engine.server = None
-    engine._serving.set()
-    with pytest.raises(VllmError):
-        await engine._switch(5, tmp_path / "v5.safetensors", "d5")
-    assert engine.error is not None and "no known version" in str(engine.error)
-    await engine._client.aclose()
+    try:
+        with pytest.raises(ConnectionLost):
+            await engine._switch(5, tmp_path / "v5.safetensors", "d5")
+        # The restore found the server gone: not a fatal error (a restart reloads the held file), but nothing
+        # is sent to it meanwhile and the supervisor is asked to restart it.
+        assert fake.calls[:4] == ["/pause", "/collective_rpc", "/update_weight_version", "/collective_rpc"]
+        assert engine.error is None and engine.version == 3
+        assert not engine._serving.is_set() and engine._restart_reason is not None
+        # A server of someone else's (a URL) that cannot be restored is given up on: it may serve wrong weights.
+        fake.calls.clear()
+        engine.server = None
+        engine._serving.set()
+        with pytest.raises(ServerError):
+            await engine._switch(5, tmp_path / "v5.safetensors", "d5")
+        assert engine.error is not None and "no known version" in str(engine.error)
+    finally:
+        await engine._client.close()
+        fake.stop()
 
 
 def test_a_lora_update_is_merged_on_the_checkpoint_and_staged_whole(tmp_path: Path) -> None:

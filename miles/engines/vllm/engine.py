@@ -36,12 +36,11 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import structlog
 
 from miles.config import VllmEngineConfig
 from miles.engines.base import EngineError, FinishReason, Generation, SamplingParams, SparseValues
-from miles.engines.sglang_engine import _one_line
+from miles.engines.server_client import ConnectionLost, ServerClient, ServerError
 
 if TYPE_CHECKING:
     import torch
@@ -56,12 +55,8 @@ RETRY_S = 1.0  # a failed load (the server restarting under it, a refused file) 
 KEEP_FILES = 2  # weight files kept: the held version's (a restarted server loads it back) and the newest
 
 
-class VllmError(EngineError):
+class VllmError(ServerError):
     """The server refused a request or answered outside the contract above."""
-
-
-class Unreachable(VllmError):
-    """A control request (pause, load, label, resume) could not reach the server: it may have died."""
 
 
 class ServerDown(Exception):
@@ -76,9 +71,11 @@ def _finish_reason(raw: Any) -> FinishReason:
     raise VllmError(f"generation did not finish normally: finish_reason={raw!r}")
 
 
-def _engine_dead(server: VllmServer, response: httpx.Response) -> bool:
+def _engine_dead(server: VllmServer, error: ServerError) -> bool:
     """A 5xx that means the server is going down (its engine core died), not that it refused this request."""
-    return server.exited() is not None or "EngineDead" in response.text or "EngineCore encountered" in response.text
+    if error.status is None or error.status < 500:
+        return False
+    return server.exited() is not None or "EngineDead" in error.body or "EngineCore encountered" in error.body
 
 
 class VllmEngine:
@@ -102,7 +99,8 @@ class VllmEngine:
         self._version = int(version)
         self.server: VllmServer | None = None
         self.base_url = cfg.url.rstrip("/") if cfg.url else ""
-        self._client: httpx.AsyncClient | None = None
+        self._client: ServerClient | None = None  # requests and control calls, opened by start()
+        self._probe: ServerClient | None = None  # the supervisor's /health, on connections of its own
         self._error: EngineError | None = None
         self._lock = threading.Lock()  # guards _staged (stage_weights may be called from any thread)
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -174,17 +172,19 @@ class VllmEngine:
             self.server = VllmServer(self.cfg, python, self.model_dir, self.log_path)
             await self.server.start()
             self.base_url = self.server.url
-        self._client = httpx.AsyncClient(
-            base_url=self.base_url,
-            timeout=httpx.Timeout(self.cfg.timeout_s, pool=None),
-            limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=64),
-        )
+        self._client = self._server_client(self.cfg.timeout_s, MAX_CONNECTIONS)
+        self._probe = self._server_client(self.cfg.health_timeout_s, 2)
         self._serving.set()
         self._tasks = [asyncio.create_task(self._apply_staged(), name="vllm.weights")]
         if self.server is not None:
             self._tasks.append(asyncio.create_task(self._supervise(), name="vllm.supervisor"))
         for task in self._tasks:
             task.add_done_callback(self._task_done)
+
+    def _server_client(self, timeout_s: float, max_connections: int) -> ServerClient:
+        return ServerClient(
+            self.base_url, server="vLLM", timeout_s=timeout_s, max_connections=max_connections, refused=VllmError
+        )
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         """A background task that ends other than by cancellation fails the engine (never silently)."""
@@ -203,9 +203,10 @@ class VllmEngine:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
-        client, self._client = self._client, None
-        if client is not None:
-            await client.aclose()
+        for client in (self._client, self._probe):
+            if client is not None:
+                await client.close()
+        self._client = self._probe = None
         if self.server is not None:
             await self.server.stop()
 
@@ -287,24 +288,18 @@ class VllmEngine:
                 await asyncio.sleep(0.2)
 
     async def _answers_health(self) -> bool:
-        client = self._client
-        if client is None:
-            return False
-        try:
-            return (await client.get("/health", timeout=self.cfg.health_timeout_s)).status_code == 200
-        except httpx.HTTPError:
-            return False
+        probe = self._probe
+        return probe is not None and await probe.healthy(timeout_s=self.cfg.health_timeout_s)
 
-    async def _post_generate(self, client: httpx.AsyncClient, payload: dict[str, Any]) -> dict[str, Any]:
+    async def _post_generate(self, client: ServerClient, payload: dict[str, Any]) -> dict[str, Any]:
         try:
-            response = await client.post("/inference/v1/generate", json=payload)
-        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-            raise ServerDown(f"{type(exc).__name__}: {_one_line(str(exc))}") from None
-        except httpx.HTTPError as exc:
-            raise VllmError(f"POST /inference/v1/generate: {type(exc).__name__}: {_one_line(str(exc))}") from None
-        if response.status_code >= 500 and self.server is not None and _engine_dead(self.server, response):
-            raise ServerDown(f"HTTP {response.status_code} from a server whose engine died")
-        return self._json("POST", "/inference/v1/generate", response)
+            return await client.call("POST", "/inference/v1/generate", json_body=payload)
+        except ConnectionLost as exc:
+            raise ServerDown(str(exc)) from None
+        except ServerError as exc:
+            if self.server is not None and _engine_dead(self.server, exc):
+                raise ServerDown(f"HTTP {exc.status} from a server whose engine died") from None
+            raise
 
     def _parse(self, prompt: list[int], reply: Mapping[str, Any]) -> Generation:
         choices = reply.get("choices")
@@ -352,27 +347,12 @@ class VllmEngine:
             raise VllmError(f"weight_versions {raw!r} do not cover {n_tokens} tokens in order")
         return spans
 
-    def _json(self, method: str, path: str, response: httpx.Response) -> Any:
-        if response.status_code >= 400:
-            raise VllmError(f"{method} {path} -> HTTP {response.status_code}: {_one_line(response.text)}")
-        if not response.content:
-            return None
-        try:
-            return response.json()
-        except ValueError:
-            raise VllmError(f"{method} {path}: response is not JSON: {_one_line(response.text, 200)!r}") from None
-
-    async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+    async def _call(self, method: str, path: str, *, json: Any = None, params: dict[str, str] | None = None) -> Any:
+        """A control call (pause, load, label, resume); :class:`ConnectionLost` if the server may have died."""
         client = self._client
         if client is None:
             raise EngineError("VllmEngine is not started")
-        try:
-            response = await client.request(method, path, **kwargs)
-        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-            raise Unreachable(f"{method} {path}: {type(exc).__name__}: {_one_line(str(exc))}") from None
-        except httpx.HTTPError as exc:
-            raise VllmError(f"{method} {path}: {type(exc).__name__}: {_one_line(str(exc))}") from None
-        return self._json(method, path, response)
+        return await client.call(method, path, json_body=json, params=params)
 
     # ------------------------------------------------------------------ weights
 
@@ -537,7 +517,7 @@ class VllmEngine:
             if held is None:
                 raise VllmError("no earlier weight file to go back to")
             await self._rpc_load(held[1], held[2])
-        except Unreachable as exc:
+        except ConnectionLost as exc:
             if self.server is None:
                 self._error = EngineError(f"the vLLM server holds weights of no known version: {exc}")
                 raise self._error from None
@@ -583,25 +563,20 @@ class VllmEngine:
         """Watch the server; restart it when it exits or stops answering /health."""
         assert self.server is not None
         misses = 0
-        async with httpx.AsyncClient(timeout=self.cfg.health_timeout_s) as probe:
-            while True:
-                await asyncio.sleep(self.cfg.health_every_s)
-                code = self.server.exited()
-                reason = None if code is None else f"exited with status {code}"
-                if reason is None and self._restart_reason is not None:
-                    reason = self._restart_reason
-                self._restart_reason = None
-                if reason is None:
-                    try:
-                        ok = (await probe.get(f"{self.base_url}/health")).status_code == 200
-                    except httpx.HTTPError:
-                        ok = False
-                    misses = 0 if ok else misses + 1
-                    if misses >= self.cfg.hang_checks:
-                        reason = f"/health unanswered {misses} times"
-                if reason is not None:
-                    misses = 0
-                    await self._restart(reason)
+        while True:
+            await asyncio.sleep(self.cfg.health_every_s)
+            code = self.server.exited()
+            reason = None if code is None else f"exited with status {code}"
+            if reason is None and self._restart_reason is not None:
+                reason = self._restart_reason
+            self._restart_reason = None
+            if reason is None:
+                misses = 0 if await self._answers_health() else misses + 1
+                if misses >= self.cfg.hang_checks:
+                    reason = f"/health unanswered {misses} times"
+            if reason is not None:
+                misses = 0
+                await self._restart(reason)
 
     async def _restart(self, reason: str) -> None:
         assert self.server is not None
@@ -616,16 +591,9 @@ class VllmEngine:
         await asyncio.to_thread(self.server.kill)  # reaps the process group: never on the event loop
         await self.server.start()
         self.base_url = self.server.url
-        old, self._client = (
-            self._client,
-            httpx.AsyncClient(
-                base_url=self.base_url,
-                timeout=httpx.Timeout(self.cfg.timeout_s, pool=None),
-                limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=64),
-            ),
-        )
-        if old is not None:
-            await old.aclose()
+        for client in (self._client, self._probe):
+            if client is not None:
+                await client.reopen(self.base_url)
         held = self._held_file
         if held is not None:  # the new server starts from the checkpoint: give it the version we hold
             version, path, digest = held

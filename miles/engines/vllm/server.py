@@ -18,12 +18,12 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
 import structlog
 
 from miles.child_process import die_with_parent
 from miles.config import VllmEngineConfig
 from miles.engines.base import EngineError
+from miles.engines.server_client import ServerClient
 
 log = structlog.get_logger(__name__)
 
@@ -111,17 +111,14 @@ class VllmServer:
 
     async def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
-        async with httpx.AsyncClient(base_url=self.url, timeout=5.0) as client:
+        async with ServerClient(self.url, server="vLLM", timeout_s=5.0, max_connections=1) as client:
             while True:
                 code = self.exited()
                 if code is not None:
                     raise EngineError(f"vLLM server exited with status {code} while starting: {self._log_tail()}")
-                try:
-                    if (await client.get("/health")).status_code == 200:
-                        log.info("vllm_server_ready", pid=self.pid, port=self.port)
-                        return
-                except httpx.HTTPError:
-                    pass
+                if await client.healthy():
+                    log.info("vllm_server_ready", pid=self.pid, port=self.port)
+                    return
                 if time.monotonic() > deadline:
                     await asyncio.to_thread(self.kill)
                     raise EngineError(

@@ -23,9 +23,6 @@ Needs a GPU in production (SGLang, NCCL); the contract test uses gloo and a fake
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ClassVar
@@ -33,6 +30,7 @@ from typing import Any, ClassVar
 import structlog
 import torch
 
+from miles.engines.server_client import ServerClient, ServerError
 from miles.sync.precision import is_quantized
 from miles.sync.stream_export import PayloadLayout, StateHasher, TensorSpec, drain, iter_rollout_tensors
 from miles.sync.transport.base import Params, Published, Runner, TransportKind, runner
@@ -43,23 +41,16 @@ log = structlog.get_logger(__name__)
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 
 
-class SglangUpdateError(RuntimeError):
+class SglangUpdateError(ServerError):
     """An SGLang server refused (or failed) a weight-update request."""
 
 
-def _post(url: str, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    headers = {"Content-Type": "application/json"}
-    req = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(body).encode(), method="POST", headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            reply = json.loads(resp.read() or b"null")
-    except urllib.error.HTTPError as exc:
-        raise SglangUpdateError(f"POST {url}{path} -> HTTP {exc.code}: {exc.read()[:300]!r}") from None
-    except urllib.error.URLError as exc:
-        raise SglangUpdateError(f"POST {url}{path}: cannot reach SGLang ({exc.reason})") from None
+def _post(client: ServerClient, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A blocking update call (a helper thread: the reply only comes once the tensors arrived)."""
+    reply = client.call_blocking("POST", path, json_body=body)
     if not isinstance(reply, dict) or not reply.get("success", False):
         message = reply.get("message") if isinstance(reply, dict) else reply
-        raise SglangUpdateError(f"POST {url}{path} failed: {message}")
+        raise SglangUpdateError(f"POST {client.base_url}{path} failed: {message}")
     return reply
 
 
@@ -103,6 +94,9 @@ class SglangDistributedSync:
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
+        self.clients = [
+            ServerClient(url, server="SGLang", timeout_s=timeout_s, refused=SglangUpdateError) for url in self.urls
+        ]
         self.group: WeightUpdateGroup | None = None
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)), thread_name_prefix="sglang-update")
 
@@ -129,8 +123,8 @@ class SglangDistributedSync:
         """Form the group: ask every server to join (their replies come once everyone joined) while joining
         as rank 0. Blocking: call it on a worker thread."""
         futures = [
-            self._pool.submit(_post, url, "/init_weights_update_group", body, self.timeout_s)
-            for url, body in zip(self.urls, self.init_requests(), strict=True)
+            self._pool.submit(_post, client, "/init_weights_update_group", body)
+            for client, body in zip(self.clients, self.init_requests(), strict=True)
         ]
         try:
             self.group = WeightUpdateGroup.join(
@@ -178,8 +172,8 @@ class SglangDistributedSync:
         try:
             for body in requests:
                 replies: list[Future] = [
-                    self._pool.submit(_post, url, "/update_weights_from_distributed", body, self.timeout_s)
-                    for url in self.urls
+                    self._pool.submit(_post, client, "/update_weights_from_distributed", body)
+                    for client in self.clients
                 ]
                 try:
                     for name in body["names"]:
@@ -207,3 +201,5 @@ class SglangDistributedSync:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        for client in self.clients:
+            client.close_blocking()
