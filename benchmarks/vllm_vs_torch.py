@@ -70,10 +70,13 @@ def run_arm(arm: str, steps: int, seed: int, root: Path) -> dict:
         "weights_mismatches": summary.get("weights_mismatches"),
         "status": summary.get("status"),
     }
-    if loaded:
-        result["pause_ms_median"] = statistics.median(e["pause_ms"] for e in loaded[1:] or loaded)
-    else:  # the torch engine reports its switch pause in the worker's heartbeat stats, not per version
-        result["pause_ms_median"] = None
+    result["pause_ms_median"] = result["pause_ms_p90"] = None  # torch: its heartbeat has the switch pause
+    result["switch_ms_median"] = result["switch_ms_p90"] = None
+    for key in ("pause_ms", "switch_ms"):  # vLLM: paused, and from the pause request on (step in progress too)
+        values = [e[key] for e in loaded[1:] or loaded if key in e]
+        if values:
+            result[f"{key}_median"] = statistics.median(values)
+            result[f"{key}_p90"] = statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
     return result
 
 

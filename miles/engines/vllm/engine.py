@@ -11,10 +11,12 @@ against a real vLLM CPU server by ``tests/integration/test_vllm_engine.py``:
   it after the top-p cut, which is not what our importance ratios assume, so keep ``top_p`` at 1 with this
   engine), ``finish_reason`` and ``weight_versions``: ``[{version, start, end}]``, the weight version that
   sampled each span of output tokens, as the server itself recorded it.
-* Weight updates: the worker writes the staged state to ``<weights_dir>/v<version>.safetensors``, then
-  ``POST /pause?mode=keep`` (requests in flight freeze where they are), ``POST /collective_rpc``
-  ``miles_load_weights(path, digest)`` (Miles' worker extension reads the file, checks its digest, reloads
-  the weights in place through vLLM's own reload path and answers the digest it loaded),
+* Weight updates: the worker writes the staged state to ``<weights_dir>/v<version>.safetensors`` and has
+  the server read and hash it on a thread while it keeps generating (``miles_prefetch``, polled with
+  ``miles_prefetched``), then ``POST /pause?mode=keep`` (requests in flight freeze where they are),
+  ``POST /collective_rpc`` ``miles_load_weights(path, digest)`` (Miles' worker extension checks the
+  prefetched state's digest, reloads the weights in place through vLLM's own reload path and answers the
+  digest it loaded),
   ``POST /update_weight_version``, ``POST /resume``. Frozen requests continue under the new weights and the
   server splits their ``weight_versions`` at the switch, so per-token versions stay exact without aborting
   and resubmitting anything. A refused or failed load resumes on the old weights and version; it is counted
@@ -52,6 +54,7 @@ log = structlog.get_logger(__name__)
 
 MAX_CONNECTIONS = 512
 RETRY_S = 1.0  # a failed load (the server restarting under it, a refused file) is tried again after this
+PREFETCH_POLL_S = 0.01
 KEEP_FILES = 2  # weight files kept: the held version's (a restarted server loads it back) and the newest
 
 
@@ -117,7 +120,8 @@ class VllmEngine:
         self._restart_reason: str | None = None  # set when the server's weights are unknown: the supervisor acts
         self._tasks: list[asyncio.Task[None]] = []
         self.switches = 0
-        self.last_pause_s = 0.0
+        self.last_pause_s = 0.0  # the server paused, see _switch
+        self.last_switch_s = 0.0  # pause requested to resumed, the step in progress included
         self.last_write_s = 0.0
         self.failures = 0
         self.last_error: Exception | None = None
@@ -460,7 +464,8 @@ class VllmEngine:
         await self._unpinned.wait()  # an evaluation in progress keeps its version
         await self._serving.wait()
         try:
-            pause_s = await self._switch(version, path, digest)
+            await self._prefetch(path)
+            pause_s, switch_s = await self._switch(version, path, digest)
         except EngineError as exc:
             self.failures += 1
             self.last_error = exc
@@ -475,14 +480,45 @@ class VllmEngine:
         self.last_error = None
         self.switches += 1
         self.last_pause_s = pause_s
+        self.last_switch_s = switch_s
         self._held_file = (version, path, digest)
         await asyncio.to_thread(self._prune, path)
-        log.info("vllm_weights_loaded", version=version, pause_ms=round(pause_s * 1e3, 1), digest=digest)
+        log.info(
+            "vllm_weights_loaded",
+            version=version,
+            pause_ms=round(pause_s * 1e3, 1),
+            switch_ms=round(switch_s * 1e3, 1),
+            digest=digest,
+        )
 
-    async def _switch(self, version: int, path: Path, digest: str) -> float:
-        """Pause (requests freeze in place), load and verify, label the version, resume; the pause's length."""
+    async def _prefetch(self, path: Path) -> None:
+        """Have the server read and hash ``path`` on a thread of its own while it keeps generating, and wait
+        until it has (each poll is one RPC between engine steps), so the pause that follows holds only the
+        copy into the model. A server restarted meanwhile just reads the file during the load."""
+        await self._call("POST", "/collective_rpc", json={"method": "miles_prefetch", "kwargs": {"path": str(path)}})
+        async with asyncio.timeout(self.cfg.timeout_s):
+            while True:
+                reply = await self._call(
+                    "POST", "/collective_rpc", json={"method": "miles_prefetched", "kwargs": {"path": str(path)}}
+                )
+                results = reply.get("results") if isinstance(reply, dict) else None
+                if not isinstance(results, list) or not results:
+                    raise VllmError(f"miles_prefetched answered {reply!r}")
+                if all(isinstance(result, dict) and result.get("done") is True for result in results):
+                    return
+                await asyncio.sleep(PREFETCH_POLL_S)
+
+    async def _switch(self, version: int, path: Path, digest: str) -> tuple[float, float]:
+        """Pause (requests freeze in place), load and verify, label the version, resume.
+
+        Returns ``(paused, switch)``: ``paused`` from the pause's reply to the resume's reply, a time when the
+        server certainly generates nothing (vLLM pauses at the end of the step in progress, then waits for its
+        outputs to be sent and 20 ms more before it replies, so the server is paused a little longer);
+        ``switch`` from the pause request on, which includes the step in progress, during which the server
+        still generates."""
         start = time.perf_counter()
         await self._call("POST", "/pause", params={"mode": "keep"})
+        paused = time.perf_counter()
         try:
             await self._rpc_load(path, digest)
             try:
@@ -493,7 +529,8 @@ class VllmEngine:
             self._version = version
         finally:
             await self._call("POST", "/resume")
-        return time.perf_counter() - start
+        end = time.perf_counter()
+        return end - paused, end - start
 
     async def _rpc_load(self, path: Path, digest: str) -> None:
         reply = await self._call(

@@ -5,16 +5,22 @@ only torch, safetensors and xxhash, never ``miles``. The server is started with
 ``--worker-extension-cls miles_vllm_worker.MilesWeightLoader`` and this folder on ``PYTHONPATH``; the Miles
 client calls its methods through vLLM's ``POST /collective_rpc`` (string arguments only).
 
-``miles_load_weights(path, digest)``: read the safetensors file the worker wrote, hash it with the same
-digest as :func:`miles.sync.precision.state_digest` (names, dtypes, shapes, raw bytes; a unit test pins the
-two together), refuse it (raise, nothing loaded) if that is not the expected digest, else copy the tensors
-into the running model with its own ``load_weights`` (which knows vLLM's fused layouts) and return the
-digest. ``miles_held_digest()`` answers the digest of the last file loaded, so the server itself vouches for
-what it holds.
+``miles_prefetch(path)``: start reading the safetensors file the worker wrote and hashing it with
+the same digest as :func:`miles.sync.precision.state_digest` (names, dtypes, shapes, raw bytes; a unit test
+pins the two together) on a thread of this process, and return at once: an RPC runs between engine steps, so
+the read and the hash happen while the server keeps generating. ``miles_prefetched(path)`` says whether that
+is done. ``miles_load_weights(path, digest)``: take the prefetched state (or read and hash it now), refuse
+it (nothing loaded) if its digest is not the expected one, else copy the tensors into the running model
+through vLLM's reload path (which knows its fused layouts) and return the digest; the client calls it while
+the server is paused, so only the copy is paused time. ``miles_held_digest()`` answers the digest of the
+last file loaded, so the server itself vouches for what it holds.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -47,14 +53,43 @@ class MilesWeightLoader:
     model_runner: Any
     vllm_config: Any
 
+    def miles_prefetch(self, path: str) -> dict[str, Any]:
+        """Read and hash ``path`` on a thread (one prefetch kept: a newer path replaces an older one)."""
+        future: Future[tuple[dict[str, torch.Tensor], str]] = Future()
+
+        def read() -> None:
+            try:
+                state = load_file(path)
+                future.set_result((state, state_digest(state)))
+            except BaseException as exc:  # noqa: BLE001 - handed to miles_load_weights, which answers it
+                future.set_exception(exc)
+
+        self._miles_prefetch = (path, future)
+        threading.Thread(target=read, name="miles-prefetch", daemon=True).start()
+        return {"ok": True}
+
+    def miles_prefetched(self, path: str) -> dict[str, bool]:
+        """Whether the prefetch of ``path`` has finished (read and hashed, or failed). A dict: the server's
+        ``/collective_rpc`` answers a bare bool as a string."""
+        pending = getattr(self, "_miles_prefetch", None)
+        return {"done": pending is not None and pending[0] == path and pending[1].done()}
+
+    def _miles_read(self, path: str) -> tuple[dict[str, torch.Tensor], str]:
+        pending = getattr(self, "_miles_prefetch", None)
+        self._miles_prefetch = None
+        if pending is not None and pending[0] == path:
+            return pending[1].result()
+        state = load_file(path)
+        return state, state_digest(state)
+
     def miles_load_weights(self, path: str, digest: str) -> dict[str, Any]:
         try:
-            state = load_file(path)
+            state, got = self._miles_read(path)
         except Exception as exc:  # noqa: BLE001 - answered to the client, never a default
             return {"ok": False, "error": f"cannot read weight file {path}: {type(exc).__name__}: {exc}"}
-        got = state_digest(state)
         if got != digest:
             return {"ok": False, "error": f"weight file {path} has digest {got}, expected {digest}: not loaded"}
+        start = time.perf_counter()
         try:
             from vllm.config import set_current_vllm_config
 
@@ -65,7 +100,7 @@ class MilesWeightLoader:
             self._miles_digest = ""
             return {"ok": False, "error": f"loading {path} failed: {type(exc).__name__}: {exc}", "partial": True}
         self._miles_digest = got
-        return {"ok": True, "digest": got, "tensors": len(state)}
+        return {"ok": True, "digest": got, "tensors": len(state), "copy_s": time.perf_counter() - start}
 
     def miles_held_digest(self) -> str:
         return getattr(self, "_miles_digest", "")
