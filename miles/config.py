@@ -285,6 +285,12 @@ class VllmEngineConfig(Strict):
     health_timeout_s: float = Field(10.0, gt=0, description="Timeout of one /health check.")
     hang_checks: int = Field(3, ge=1, description="Unanswered /health checks in a row that count as a hung server.")
     max_restarts: int = Field(5, ge=0, description="Server restarts before the engine (and the worker) fails.")
+    max_loras: int = Field(
+        4,
+        ge=2,
+        description="LoRA mode: adapters one batch may mix (--max-loras); requests started on older versions keep "
+        "theirs, so at least staleness.max_staleness + 2.",
+    )
 
 
 EngineConfig = Annotated[

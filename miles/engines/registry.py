@@ -97,6 +97,11 @@ def build_staging_engine(
         assert isinstance(engine, SglangEngine)
         weights_dir = cfg.adapter_dir or Path(work_dir) / "weights"
         return SglangStagingEngine(engine, weights_dir, lora=lora, model_dir=model_dir)
+    if isinstance(cfg, VllmEngineConfig) and lora is not None:
+        from miles.engines.vllm.engine import VllmEngine
+
+        assert isinstance(engine, VllmEngine)
+        engine.serve_adapters(lora)  # the server applies the adapters: only they are written per version
     return engine  # type: ignore[return-value]  # the torch and vLLM engines stage themselves
 
 

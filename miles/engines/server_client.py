@@ -106,8 +106,10 @@ class ServerClient:
         json_body: Any = None,
         params: dict[str, str] | None = None,
         timeout_s: float | None = None,
+        expect_json: bool = True,
     ) -> Any:
-        """One request; the reply's JSON (None for an empty body). Raises the errors in the module docstring."""
+        """One request; the reply's JSON (None for an empty body), or its text with ``expect_json=False`` (some
+        endpoints answer plain text). Raises the errors in the module docstring."""
         session = self._open()
         data = None if json_body is None else json.dumps(json_body, separators=(",", ":")).encode()
         headers = {"Content-Type": "application/json"} if data is not None else None
@@ -125,7 +127,7 @@ class ServerClient:
             raise ConnectionLost(f"{method} {path}: {type(exc).__name__}: {one_line(str(exc))}") from None
         except aiohttp.ClientError as exc:
             raise self.refused(f"{method} {path}: {type(exc).__name__}: {one_line(str(exc))}") from None
-        return self._decode(method, path, status, body)
+        return self._decode(method, path, status, body, expect_json)
 
     async def healthy(self, path: str = "/health", timeout_s: float = 5.0) -> bool:
         """Whether the server answers ``GET path`` with 200 within ``timeout_s``."""
@@ -183,12 +185,14 @@ class ServerClient:
 
     # ------------------------------------------------------------------ replies
 
-    def _decode(self, method: str, path: str, status: int, body: bytes) -> Any:
+    def _decode(self, method: str, path: str, status: int, body: bytes, expect_json: bool = True) -> Any:
         if status >= 400:
             text = body.decode(errors="replace")
             error = self.refused(f"{method} {path} -> HTTP {status}: {one_line(text)}")
             error.status, error.body = status, text[:4096]
             raise error
+        if not expect_json:
+            return body.decode(errors="replace")
         if not body:
             return None
         try:

@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from miles.config import VllmEngineConfig
+from miles.config import LoraConfig, VllmEngineConfig
 from miles.engines.base import SamplingParams
 from miles.engines.vllm.engine import VllmEngine, VllmError
 from miles.engines.vllm.env import ensure_vllm_env
@@ -141,9 +141,11 @@ async def test_an_update_with_requests_in_flight_splits_their_versions_exactly(
 ) -> None:
     """The update is staged once the requests are observed decoding, not after a sleep: a one-token probe sent
     after them has come back, so the server (first come, first served) has admitted them and run a step.
-    They need 120 tokens each; the update lands within a step or two. A batch that still ends before it
-    does (a machine stalled meanwhile) is played again at the next version. (vLLM's /metrics cannot tell:
-    on this build it reports no running request until they have all finished.)"""
+    Then the test pauses the server itself, so they stay in flight however long the update takes to arrive
+    (the engine's own pause and resume, around the load, end that pause). They need 120 tokens each; a batch
+    that still ends between the probe and the pause (a machine stalled meanwhile) is played again at the next
+    version. (vLLM's /metrics cannot tell: on this build it reports no running request until they have all
+    finished.)"""
     n, new_tokens = 32, 120
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, stop_token_ids=[])
     probe = SamplingParams(max_new_tokens=1, temperature=1.0, stop_token_ids=[])
@@ -153,7 +155,7 @@ async def test_an_update_with_requests_in_flight_splits_their_versions_exactly(
         tasks = [asyncio.create_task(engine.generate(PROMPT, params)) for _ in range(n)]
         await asyncio.sleep(0)  # every request task takes its first step (its connection) before the probe's
         await engine.generate(PROMPT, probe)
-        assert not all(task.done() for task in tasks)
+        await engine._call("POST", "/pause", params={"mode": "keep"})  # frozen until the engine's switch resumes
         state = scaled_state(tiny_model_dir, 0.75 - 0.05 * attempt)
         assert engine.stage_weights(state, start + 1)
         gens = await asyncio.gather(*tasks)
@@ -203,17 +205,16 @@ def ulp_moves(state: dict[str, torch.Tensor], frac: float = 0.02) -> dict[str, t
     return out
 
 
-async def test_delta_and_lora_versions_reach_the_server_with_the_trainers_digest(
+async def test_delta_versions_reach_the_server_with_the_trainers_digest(
     engine: VllmEngine, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """sync.mode delta and lora end to end over a real nats-server: the trainer side publishes (a full anchor
-    then a delta; adapters), the worker's follower decodes through the engine's own weight sink, and the
-    server reports holding exactly the state the trainer's digest names (LoRA: base + merged adapter)."""
+    """sync.mode delta end to end over a real nats-server: the trainer side publishes a full anchor then a
+    delta, the worker's follower decodes through the engine's own weight sink, and the server reports holding
+    exactly the state the trainer's digest names."""
     from miles.bus.client import Bus
     from miles.bus.server import EmbeddedNats
     from miles.config import BusConfig
     from miles.sync.follower import WeightFollower
-    from miles.sync.lora import merge_adapter
     from miles.sync.publisher import WeightPublisher, delta_keep_versions
     from miles.sync.transport.dataplane import WeightStore
 
@@ -244,27 +245,105 @@ async def test_delta_and_lora_versions_reach_the_server_with_the_trainers_digest
         finally:
             await bus.close()
 
+
+LORA = LoraConfig(rank=8, alpha=16, target_modules=["q_proj", "v_proj"])
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def lora_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A second server, started with LoRA serving: sync.mode lora on vLLM."""
+    python = await asyncio.to_thread(ensure_vllm_env)
+    work = tmp_path_factory.mktemp("vllm-lora")
+    cfg = VllmEngineConfig(python=str(python), max_context=128, health_every_s=0.5, hang_checks=4)
+    eng = VllmEngine(
+        cfg, tiny_model_dir, version=-1, weights_dir=work / "weights", log_path=work / "vllm.log", max_context=128
+    )
+    eng.serve_adapters(LORA)
+    await eng.start()
+    yield eng
+    await eng.close()
+
+
+def random_adapter(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    adapter = {}
+    for layer in range(2):
+        for module in LORA.target_modules:
+            key = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            adapter[f"{key}.lora_A.weight"] = (0.3 * torch.randn(LORA.rank, 64)).bfloat16()
+            adapter[f"{key}.lora_B.weight"] = (0.3 * torch.randn(64, LORA.rank)).bfloat16()
+    return adapter
+
+
+async def served_adapters(engine: VllmEngine) -> set[str]:
+    reply = await engine._call("GET", "/v1/models")
+    return {m["id"] for m in reply["data"]} - {str(engine.model_dir)}
+
+
+async def test_lora_versions_are_served_as_adapters_without_a_pause(
+    lora_engine: VllmEngine, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """sync.mode lora over a real nats-server into a server that applies the adapter itself: only the adapter
+    travels and is loaded (no merged model), the server checks the file's digest first, requests started before
+    a load keep their adapter (per-token versions exact), and log-probs match HF's forward of base + merged
+    adapter. Adapters no request names any more are unloaded."""
+    from safetensors.torch import load_file
+
+    from miles.bus.client import Bus
+    from miles.bus.server import EmbeddedNats
+    from miles.config import BusConfig
+    from miles.sync.follower import WeightFollower
+    from miles.sync.lora import merge_adapter
+    from miles.sync.publisher import WeightPublisher
+    from miles.sync.transport.dataplane import WeightStore
+
+    from .sync_helpers import running
+
+    engine = lora_engine
+    adapters = {v: random_adapter(v) for v in (1, 2, 3)}
+    async with EmbeddedNats(tmp_path / "bus") as server:
         bus = await Bus.open(BusConfig(), server.url, "vlora", "test")
         try:
             store = await WeightStore.create(bus.js, "vlora", keep_versions=3)
             pub = WeightPublisher(bus, store, "bfloat16", mode="lora")
-            follower = WeightFollower(bus, store, engine, decoder=engine.weight_sink("bfloat16", 2.0))
-            torch.manual_seed(5)
-            adapter = {}
-            for module in ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.v_proj"):
-                adapter[f"base_model.model.{module}.lora_A.weight"] = (0.1 * torch.randn(2, 64)).bfloat16()
-                adapter[f"base_model.model.{module}.lora_B.weight"] = (0.1 * torch.randn(64, 2)).bfloat16()
+            sink = engine.weight_sink("bfloat16", LORA.alpha / LORA.rank)
+            follower = WeightFollower(bus, store, engine, decoder=sink)
             async with running(follower) as stopping:
-                lora_ann = (await pub.publish(adapter, first + 2)).announcement
-                assert await asyncio.wait_for(follower.wait_for(first + 2, stopping), 60)
-                await wait_version(engine, first + 2)
-            assert follower.staged_versions[first + 2].state_digest == lora_ann.state_digest  # the audit's digest
+                published = await pub.publish(adapters[1], 1)
+                assert await asyncio.wait_for(follower.wait_for(1, stopping), 60)
+                await wait_version(engine, 1)
+                assert follower.staged_versions[1].state_digest == published.announcement.state_digest
+                assert published.announcement.size < 0.2 * (tiny_model_dir / "model.safetensors").stat().st_size
+                assert await served_adapters(engine) == {"miles-v1"}
+                assert engine.last_pause_s == 0.0 and engine.failures == 0
+
+                six = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=[])
+                gen = await engine.generate(PROMPT, six)
+                assert gen.version_spans == [(0, 1)]
+                base = load_file(str(tiny_model_dir / "model.safetensors"))
+                merged = base | merge_adapter(base, adapters[1], LORA.alpha / LORA.rank, dtype=torch.float32)
+                ref = reference_logprobs(tiny_model_dir, merged, PROMPT, gen.output_ids)
+                assert max(abs(a - b) for a, b in zip(gen.logprobs, ref, strict=True)) <= 1e-4
+                plain = reference_logprobs(tiny_model_dir, None, PROMPT, gen.output_ids)
+                assert max(abs(a - b) for a, b in zip(gen.logprobs, plain, strict=True)) > 1e-2  # it is applied
+
+                # Requests in flight when adapter 2 loads: a probe sent after them has come back, so they run.
+                params = SamplingParams(max_new_tokens=100, temperature=1.0, stop_token_ids=[])
+                running_requests = [asyncio.create_task(engine.generate(PROMPT, params)) for _ in range(8)]
+                await asyncio.sleep(0)
+                probe = SamplingParams(max_new_tokens=1, temperature=1.0, stop_token_ids=[])
+                assert (await engine.generate(PROMPT, probe)).version_spans == [(0, 1)]
+                await pub.publish(adapters[2], 2)
+                await wait_version(engine, 2)
+                assert (await engine.generate(PROMPT, probe)).version_spans == [(0, 2)]
+                finished = await asyncio.gather(*running_requests)
+                assert all(g.version_spans == [(0, 1)] for g in finished)  # one adapter for a whole request
+
+                await pub.publish(adapters[3], 3)
+                await wait_version(engine, 3)
+                async with asyncio.timeout(30):  # unloaded right after the switch: 1 and 2, nothing names them
+                    while await served_adapters(engine) != {"miles-v3"}:
+                        await asyncio.sleep(0.05)
+                assert not (engine.weights_dir / "lora-v1").exists() and (engine.weights_dir / "lora-v3").is_dir()
         finally:
             await bus.close()
-    base = engine.base_state()
-    expected = base | merge_adapter(base, adapter, 2.0, dtype=torch.float32)
-    assert await engine.held_digest() == state_digest(expected)  # not stacked on the delta run's weights
-    gen = await engine.generate(PROMPT, SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=[]))
-    assert gen.version_spans == [(0, first + 2)]
-    ref = reference_logprobs(tiny_model_dir, expected, PROMPT, gen.output_ids)
-    assert max(abs(a - b) for a, b in zip(gen.logprobs, ref, strict=True)) <= MAX_GAP

@@ -179,35 +179,27 @@ async def test_a_server_lost_between_load_and_label_is_restarted_not_given_up(tm
         fake.stop()
 
 
-def test_a_lora_update_is_merged_on_the_checkpoint_and_staged_whole(tmp_path: Path) -> None:
-    from safetensors.torch import save_file
+def test_lora_mode_stages_the_adapter_itself_and_sizes_the_server_for_it(tmp_path: Path) -> None:
+    from miles.config import LoraConfig
 
-    from miles.sync.lora import merge_adapter
-
-    torch.manual_seed(0)
-    base = {"q.weight": torch.randn(4, 6), "k.weight": torch.randn(4, 6), "norm.weight": torch.ones(6)}
-    save_file(base, str(tmp_path / "model.safetensors"))
-    engine = VllmEngine(
-        VllmEngineConfig(url="http://127.0.0.1:1"),
-        tmp_path,
-        version=-1,
-        weights_dir=tmp_path / "w",
-        log_path=tmp_path / "l.log",
-        max_context=64,
-    )
+    lora = LoraConfig(rank=4, alpha=8, target_modules=["q_proj"])
+    engine = make_engine(-1)
+    with pytest.raises(ValueError, match="serve_adapters"):
+        engine.weight_sink("bfloat16", 2.0)  # a merged LoRA path does not exist: the server applies adapters
+    engine.serve_adapters(lora)
     adapter = {
-        "base_model.model.q.lora_A.weight": torch.randn(2, 6).bfloat16(),
-        "base_model.model.q.lora_B.weight": torch.randn(4, 2).bfloat16(),
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 6).bfloat16(),
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(6, 4).bfloat16(),
     }
-    merged, complete = engine.weight_sink("bfloat16", 2.0).decode(adapter)
-    assert not complete and set(merged) == {"q.weight"}
-    assert engine.stage_weights(merged, 0, complete=False)
-    staged = engine._staged
-    assert staged is not None and staged[0] == 0 and set(staged[1]) == set(base)
-    torch.testing.assert_close(staged[1]["q.weight"], merge_adapter(base, adapter, 2.0)["q.weight"])
-    assert torch.equal(staged[1]["k.weight"], base["k.weight"])  # the frozen base where nothing is adapted
-    with pytest.raises(ValueError, match="not a tensor of the checkpoint"):
-        engine.stage_weights({"nope.weight": torch.zeros(1)}, 1, complete=False)
+    passed, _ = engine.weight_sink("bfloat16", 2.0).decode(adapter)
+    assert set(passed) == set(adapter)  # handed through untouched, not merged
+    assert engine.stage_weights(passed, 0, complete=False)
+    assert engine._staged is not None and set(engine._staged[1]) == set(adapter)
+    with pytest.raises(ValueError):
+        engine.stage_weights({"model.layers.0.self_attn.q_proj.weight": torch.zeros(6, 6)}, 1)  # not an adapter
+    cmd = server_command("python", VllmEngineConfig(max_loras=3), "/m", 8000, lora)
+    assert cmd[cmd.index("--max-lora-rank") + 1] == "8" and cmd[cmd.index("--max-loras") + 1] == "3"
+    assert "--enable-lora" not in server_command("python", VllmEngineConfig(), "/m", 8000)
 
 
 def write_recipe(tmp_path: Path, extra: str) -> Path:

@@ -32,15 +32,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from miles.config import VllmEngineConfig
+from miles.config import LoraConfig, VllmEngineConfig
+from miles.engines.adapter_files import WEIGHTS_NAME, save_peft_adapter, validate_adapter
 from miles.engines.base import EngineError, FinishReason, Generation, SamplingParams, SparseValues
 from miles.engines.server_client import ConnectionLost, ServerClient, ServerError
 
@@ -107,8 +110,10 @@ class VllmEngine:
         self._error: EngineError | None = None
         self._lock = threading.Lock()  # guards _staged (stage_weights may be called from any thread)
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._base: dict[str, torch.Tensor] | None = None  # the checkpoint, read for LoRA mode (base_state)
-        self._base_lock = threading.Lock()
+        self.lora: LoraConfig | None = None  # LoRA mode (serve_adapters): adapters served by the server
+        self._adapter: tuple[str, int] | None = None  # (name, version) new requests name
+        self._adapters: dict[str, Path] = {}  # loaded on the server and not unloaded, oldest first
+        self._adapter_requests: Counter[str] = Counter()  # requests in flight per adapter name
         self._loading: int | None = None
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -123,6 +128,7 @@ class VllmEngine:
         self.last_pause_s = 0.0  # the server paused, see _switch
         self.last_switch_s = 0.0  # pause requested to resumed, the step in progress included
         self.last_write_s = 0.0
+        self.last_copy_s = 0.0  # the server's in-place copy of the newest version (inside the pause)
         self.failures = 0
         self.last_error: Exception | None = None
         self.restarts = 0
@@ -173,7 +179,7 @@ class VllmEngine:
             from miles.engines.vllm.server import VllmServer
 
             python = self.cfg.python or await asyncio.to_thread(ensure_vllm_env)
-            self.server = VllmServer(self.cfg, python, self.model_dir, self.log_path)
+            self.server = VllmServer(self.cfg, python, self.model_dir, self.log_path, lora=self.lora)
             await self.server.start()
             self.base_url = self.server.url
         self._client = self._server_client(self.cfg.timeout_s, MAX_CONNECTIONS)
@@ -244,7 +250,7 @@ class VllmEngine:
         if budget <= 0:
             self._raise_if_failed()
             return Generation(list(prompt_ids), [], [], "context", self._version)
-        payload = {
+        payload: dict[str, Any] = {
             "token_ids": list(prompt_ids),
             "sampling_params": {
                 "max_tokens": budget,
@@ -261,6 +267,10 @@ class VllmEngine:
             client = self._client
             if client is None:
                 raise EngineError("VllmEngine is not started: use `async with engine:` or `await engine.start()`")
+            adapter = self._adapter  # LoRA mode: the whole request runs on this adapter, even across a load
+            if adapter is not None:
+                payload["model"] = adapter[0]
+                self._adapter_requests[adapter[0]] += 1
             try:
                 reply = await self._post_generate(client, payload)
             except ServerDown as exc:
@@ -269,8 +279,11 @@ class VllmEngine:
                     raise self._error from None
                 self.resent += 1
                 await self._wait_for_restart()
-                continue
-            gen = self._parse(list(prompt_ids), reply)
+                continue  # sent again from its start, on the adapter that is newest then
+            finally:
+                if adapter is not None:
+                    self._adapter_requests[adapter[0]] -= 1
+            gen = self._parse(list(prompt_ids), reply, None if adapter is None else adapter[1])
             if gen.finish_reason == "length" and budget < params.max_new_tokens:
                 gen.finish_reason = "context"
             return gen
@@ -305,7 +318,9 @@ class VllmEngine:
                 raise ServerDown(f"HTTP {exc.status} from a server whose engine died") from None
             raise
 
-    def _parse(self, prompt: list[int], reply: Mapping[str, Any]) -> Generation:
+    def _parse(self, prompt: list[int], reply: Mapping[str, Any], adapter_version: int | None = None) -> Generation:
+        """One choice as a :class:`Generation`. LoRA mode: every token's version is the adapter's (the server's
+        ``weight_versions`` label the base, which never changes)."""
         choices = reply.get("choices")
         if not isinstance(choices, list) or len(choices) != 1:
             raise VllmError(f"/inference/v1/generate answered {len(choices or [])} choices, expected 1")
@@ -319,7 +334,10 @@ class VllmEngine:
             )
         if any(int(entry["token_id"]) != tok for entry, tok in zip(content, output_ids, strict=True)):
             raise VllmError("/inference/v1/generate: log-probs are not of the returned token ids")
-        spans = self._spans(choice.get("weight_versions"), len(output_ids))
+        if adapter_version is not None:
+            spans = [(0, adapter_version)]
+        else:
+            spans = self._spans(choice.get("weight_versions"), len(output_ids))
         return Generation(
             prompt_ids=prompt,
             output_ids=output_ids,
@@ -351,14 +369,32 @@ class VllmEngine:
             raise VllmError(f"weight_versions {raw!r} do not cover {n_tokens} tokens in order")
         return spans
 
-    async def _call(self, method: str, path: str, *, json: Any = None, params: dict[str, str] | None = None) -> Any:
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: dict[str, str] | None = None,
+        expect_json: bool = True,
+    ) -> Any:
         """A control call (pause, load, label, resume); :class:`ConnectionLost` if the server may have died."""
         client = self._client
         if client is None:
             raise EngineError("VllmEngine is not started")
-        return await client.call(method, path, json_body=json, params=params)
+        return await client.call(method, path, json_body=json, params=params, expect_json=expect_json)
 
     # ------------------------------------------------------------------ weights
+
+    def serve_adapters(self, lora: LoraConfig) -> None:
+        """LoRA mode: the server applies the adapters itself (vLLM's LoRA serving); call before :meth:`start`.
+
+        Each version is a peft adapter directory loaded as ``miles-v<version>`` while the server keeps
+        generating (no pause: new requests name the new adapter, requests in flight keep theirs), and unloaded
+        once no request in flight names it and it is not the newest."""
+        if self._client is not None:
+            raise EngineError("serve_adapters must be called before start()")
+        self.lora = lora
 
     def stage_weights(
         self,
@@ -368,24 +404,24 @@ class VllmEngine:
         base_version: int | None = None,
         complete: bool = True,
     ) -> bool:
-        """Park a whole state as ``version`` for the loader task; False if not newer than what it has.
+        """Park a whole state (LoRA mode: a whole adapter) as ``version`` for the loader task; False if not newer
+        than what it has.
 
         Never blocks. vLLM reloads whole tensors from a file: a sparse update (the delta fast path) is not
-        staged (False, so the follower stages the whole reconstructed state instead). A partial update (LoRA
-        mode: the adapted modules merged on the base) is completed with the frozen base, :meth:`base_state`,
-        which the weight sink has read by then."""
-        if base_version is not None and (not complete or any(isinstance(v, SparseValues) for v in state.values())):
+        staged (False, so the follower stages the whole reconstructed state instead); a partial state is
+        refused, outside LoRA mode, where it must be a peft adapter of ``trainer.lora``'s shape."""
+        sparse = any(isinstance(v, SparseValues) for v in state.values())
+        if base_version is not None and (sparse or not complete) and self.lora is None:
             return False  # the delta fast path, declined: the follower then stages the whole reconstructed state
-        if any(isinstance(v, SparseValues) for v in state.values()):
+        if sparse:
             raise ValueError("stage_weights: vLLM loads whole tensors, not sparse updates")
         if not state:
             raise ValueError("stage_weights: empty state")
-        if not complete:
-            base = self.base_state()
-            unknown = sorted(set(state) - set(base))
-            if unknown:
-                raise ValueError(f"stage_weights: {unknown[0]!r} is not a tensor of the checkpoint {self.model_dir}")
-            state = {**base, **state}
+        tensors: dict[str, torch.Tensor] = dict(state)  # type: ignore[arg-type]  # no SparseValues left
+        if self.lora is not None:
+            validate_adapter(tensors, self.lora)
+        elif not complete:
+            raise ValueError("stage_weights: vLLM reloads whole states; a partial one must be completed first")
         version = int(version)
         with self._lock:
             newest = max(self._version, self._loading if self._loading is not None else -1)
@@ -393,40 +429,22 @@ class VllmEngine:
                 newest = max(newest, self._staged[0])
             if version <= newest:
                 return False
-            self._staged = (version, dict(state))  # type: ignore[arg-type]  # no SparseValues left
+            self._staged = (version, tensors)
         if self._loop is not None and self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
         return True
 
     def weight_sink(self, precision: str, lora_scale: float | None) -> EngineWeights:
-        """Whole states in the server's dtype (FP8/FP4 dequantized); in LoRA mode the adapted modules merged on
-        the frozen base (:meth:`base_state`), completed by the base in :meth:`stage_weights`."""
+        """Whole states in the server's dtype (FP8/FP4 dequantized); in LoRA mode the adapter itself, which the
+        server applies (its scale comes from the adapter's config, so ``lora_scale`` is not used then)."""
         from miles.sync.engine_weights import EngineWeights
 
-        return EngineWeights(self.base_state, precision=precision, lora_scale=lora_scale)
+        if lora_scale is not None and self.lora is None:
+            raise ValueError("a vLLM engine serves LoRA adapters itself: call serve_adapters(lora) before start()")
+        return EngineWeights(dict, precision=precision, adapters="passthrough" if self.lora is not None else "merge")
 
-    def base_state(self) -> dict[str, torch.Tensor]:
-        """The checkpoint the server started from, in its dtype, read once: LoRA mode's frozen base. It stays
-        in host memory for the run (a LoRA update reloads whole states into vLLM)."""
-        with self._base_lock:
-            if self._base is None:
-                import torch
-                from safetensors.torch import load_file
-
-                files = sorted(self.model_dir.glob("*.safetensors"))
-                if not files:
-                    raise ValueError(f"no *.safetensors checkpoint in {self.model_dir}: LoRA mode needs the base")
-                dtype = getattr(torch, self.cfg.dtype)
-                base: dict[str, torch.Tensor] = {}
-                for file in files:
-                    base |= {name: t.to(dtype) for name, t in load_file(str(file)).items()}
-                self._base = base
-            return self._base
-
-    def load_weights(self, state: Mapping[str, torch.Tensor], version: int, *, complete: bool = True) -> None:
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Load ``state`` as ``version`` now (blocking, from a thread other than the engine's event loop)."""
-        if not complete:
-            state = {**self.base_state(), **state}
         loop = self._loop
         if loop is None:
             raise EngineError("VllmEngine is not started")
@@ -459,13 +477,17 @@ class VllmEngine:
 
     async def _load(self, version: int, state: dict[str, torch.Tensor]) -> None:
         start = time.perf_counter()
-        path, digest = await asyncio.to_thread(self._write, version, state)
+        write = self._write if self.lora is None else self._write_adapter
+        path, digest = await asyncio.to_thread(write, version, state)
         self.last_write_s = time.perf_counter() - start
         await self._unpinned.wait()  # an evaluation in progress keeps its version
         await self._serving.wait()
         try:
-            await self._prefetch(path)
-            pause_s, switch_s = await self._switch(version, path, digest)
+            if self.lora is None:
+                await self._prefetch(path)
+                pause_s, switch_s = await self._switch(version, path, digest)
+            else:  # no pause: requests in flight keep the adapter they named
+                pause_s, switch_s = 0.0, await self._switch_adapter(version, path, digest)
         except EngineError as exc:
             self.failures += 1
             self.last_error = exc
@@ -482,12 +504,14 @@ class VllmEngine:
         self.last_pause_s = pause_s
         self.last_switch_s = switch_s
         self._held_file = (version, path, digest)
-        await asyncio.to_thread(self._prune, path)
+        if self.lora is None:
+            await asyncio.to_thread(self._prune, path)
         log.info(
             "vllm_weights_loaded",
             version=version,
             pause_ms=round(pause_s * 1e3, 1),
             switch_ms=round(switch_s * 1e3, 1),
+            copy_ms=round(self.last_copy_s * 1e3, 1),
             digest=digest,
         )
 
@@ -532,6 +556,52 @@ class VllmEngine:
         end = time.perf_counter()
         return end - paused, end - start
 
+    def adapter_name(self, version: int) -> str:
+        """The server-side name of adapter ``version`` (one name, one adapter: never reused)."""
+        return f"miles-v{int(version)}"
+
+    async def _switch_adapter(self, version: int, path: Path, digest: str) -> float:
+        """LoRA mode: the server checks the adapter file's digest, loads it between two steps while generating,
+        and new requests name it; adapters no request in flight names are unloaded. Returns the time taken."""
+        start = time.perf_counter()
+        await self._load_adapter(version, path, digest)
+        self._adapter = (self.adapter_name(version), version)
+        self._version = version
+        await self._unload_idle_adapters()
+        return time.perf_counter() - start
+
+    async def _load_adapter(self, version: int, path: Path, digest: str) -> None:
+        rpc = {"method": "miles_file_digest", "kwargs": {"path": str(path / WEIGHTS_NAME)}}
+        reply = await self._call("POST", "/collective_rpc", json=rpc)
+        results = reply.get("results") if isinstance(reply, dict) else None
+        if not isinstance(results, list) or not results:
+            raise VllmError(f"miles_file_digest answered {reply!r}")
+        for result in results:
+            got = result.get("digest") if isinstance(result, dict) else None
+            if got != digest:
+                error = result.get("error") if isinstance(result, dict) else result
+                raise VllmError(f"the vLLM server read adapter {path.name} as {got} ({error}), expected {digest}")
+        name = self.adapter_name(version)
+        body = {"lora_name": name, "lora_path": str(path)}
+        await self._call("POST", "/v1/load_lora_adapter", json=body, expect_json=False)
+        self._adapters[name] = path
+
+    async def _unload_idle_adapters(self) -> None:
+        """Unload (and delete) every adapter but the newest that no request in flight names. A failed unload is
+        logged and tried again after the next load."""
+        current = self._adapter[0] if self._adapter is not None else None
+        for name, path in list(self._adapters.items()):
+            if name == current or self._adapter_requests[name] > 0:
+                continue
+            try:
+                await self._call("POST", "/v1/unload_lora_adapter", json={"lora_name": name}, expect_json=False)
+            except VllmError as exc:
+                log.warning("vllm_adapter_unload_failed", adapter=name, error=str(exc))
+                continue
+            del self._adapters[name]
+            self._adapter_requests.pop(name, None)
+            await asyncio.to_thread(shutil.rmtree, path, True)
+
     async def _rpc_load(self, path: Path, digest: str) -> None:
         reply = await self._call(
             "POST",
@@ -547,6 +617,7 @@ class VllmEngine:
                 raise VllmError(f"the vLLM server did not load {path.name}: {error}")
             if result.get("digest") != digest:
                 raise VllmError(f"the vLLM server loaded digest {result.get('digest')}, expected {digest}")
+        self.last_copy_s = max(float(result.get("copy_s") or 0.0) for result in results)
 
     async def _restore_held(self) -> None:
         held = self._held_file
@@ -587,6 +658,14 @@ class VllmEngine:
         save_file(contiguous, str(tmp))
         tmp.replace(path)
         return path, state_digest(contiguous)
+
+    def _write_adapter(self, version: int, state: dict[str, torch.Tensor]) -> tuple[Path, str]:
+        from miles.sync.precision import state_digest
+
+        assert self.lora is not None
+        target = self.weights_dir / f"lora-v{version}"
+        path = save_peft_adapter(state, self.lora, target, base_model=str(self.model_dir))
+        return path, state_digest({name: t.detach().to("cpu").contiguous() for name, t in state.items()})
 
     def _prune(self, keep: Path) -> None:
         files = sorted(self.weights_dir.glob("v*.safetensors"), key=lambda p: p.stat().st_mtime)
@@ -632,7 +711,11 @@ class VllmEngine:
             if client is not None:
                 await client.reopen(self.base_url)
         held = self._held_file
-        if held is not None:  # the new server starts from the checkpoint: give it the version we hold
+        if held is not None and self.lora is not None:  # a new server has no adapter: load the newest again
+            version, path, digest = held
+            self._adapters.clear()
+            await self._load_adapter(version, path, digest)
+        elif held is not None:  # the new server starts from the checkpoint: give it the version we hold
             version, path, digest = held
             await self._rpc_load(path, digest)
             await self._call("POST", "/update_weight_version", json={"new_version": str(version)})

@@ -21,7 +21,7 @@ from pathlib import Path
 import structlog
 
 from miles.child_process import die_with_parent
-from miles.config import VllmEngineConfig
+from miles.config import LoraConfig, VllmEngineConfig
 from miles.engines.base import EngineError
 from miles.engines.server_client import ServerClient
 
@@ -37,7 +37,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(python: str | Path, cfg: VllmEngineConfig, model_dir: str | Path, port: int) -> list[str]:
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM accepts
+
+
+def server_command(
+    python: str | Path, cfg: VllmEngineConfig, model_dir: str | Path, port: int, lora: LoraConfig | None = None
+) -> list[str]:
+    """The server's command line; with ``lora``, LoRA serving sized for its adapters (``cfg.max_loras`` of them
+    in one batch: requests still running on older adapters share batches with the newest)."""
     cmd = [
         str(python), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir),
@@ -55,14 +62,28 @@ def server_command(python: str | Path, cfg: VllmEngineConfig, model_dir: str | P
         cmd += ["--max-model-len", str(cfg.max_context)]
     if cfg.enforce_eager:
         cmd.append("--enforce-eager")
+    if lora is not None:
+        rank = next((r for r in LORA_RANKS if r >= lora.rank), None)
+        if rank is None:
+            raise ValueError(f"trainer.lora.rank {lora.rank} is above vLLM's largest --max-lora-rank {LORA_RANKS[-1]}")
+        cmd += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(cfg.max_loras)]
     return cmd + list(cfg.extra_args)
 
 
 class VllmServer:
     """One vLLM server process on a free loopback port. :meth:`start` returns once ``/health`` answers."""
 
-    def __init__(self, cfg: VllmEngineConfig, python: str | Path, model_dir: str | Path, log_path: Path) -> None:
+    def __init__(
+        self,
+        cfg: VllmEngineConfig,
+        python: str | Path,
+        model_dir: str | Path,
+        log_path: Path,
+        *,
+        lora: LoraConfig | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.lora = lora
         self.python = Path(python)
         self.model_dir = Path(model_dir)
         self.log_path = log_path
@@ -94,9 +115,11 @@ class VllmServer:
             VLLM_NO_USAGE_STATS="1",
             VLLM_CONFIGURE_LOGGING="1",
         )
+        if self.lora is not None:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter and /v1/unload_lora_adapter
         env.pop("VIRTUAL_ENV", None)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = server_command(self.python, self.cfg, self.model_dir, self.port)
+        cmd = server_command(self.python, self.cfg, self.model_dir, self.port, self.lora)
         with open(self.log_path, "ab") as out:
             out.write(f"\n=== miles: starting vLLM ({time.strftime('%H:%M:%S')}): {' '.join(cmd)}\n".encode())
             out.flush()

@@ -102,5 +102,13 @@ class MilesWeightLoader:
         self._miles_digest = got
         return {"ok": True, "digest": got, "tensors": len(state), "copy_s": time.perf_counter() - start}
 
+    def miles_file_digest(self, path: str) -> dict[str, str]:
+        """The digest of a (small) safetensors file as this process reads it: a LoRA adapter's, checked before
+        the server loads it."""
+        try:
+            return {"digest": state_digest(load_file(path))}
+        except Exception as exc:  # noqa: BLE001 - answered to the client, which refuses the file
+            return {"error": f"cannot read {path}: {type(exc).__name__}: {exc}"}
+
     def miles_held_digest(self) -> str:
         return getattr(self, "_miles_digest", "")
