@@ -65,6 +65,11 @@ class VllmError(ServerError):
     """The server refused a request or answered outside the contract above."""
 
 
+def _load_rpc(path: Path, digest: str) -> dict[str, Any]:
+    """The ``/collective_rpc`` body that has Miles' worker extension check ``path``'s digest and load it."""
+    return {"method": "miles_load_weights", "kwargs": {"path": str(path), "digest": digest}}
+
+
 class ServerDown(Exception):
     """A request found the server gone (connection refused or dropped): wait for the restart, send again."""
 
@@ -535,26 +540,61 @@ class VllmEngine:
     async def _switch(self, version: int, path: Path, digest: str) -> tuple[float, float]:
         """Pause (requests freeze in place), load and verify, label the version, resume.
 
+        The four calls run on a thread with blocking requests: on the worker's event loop each reply would also
+        wait for the worker's other tasks, and while the server is paused that wait is lost generation.
+
         Returns ``(paused, switch)``: ``paused`` from the pause's reply to the resume's reply, a time when the
         server certainly generates nothing (vLLM pauses at the end of the step in progress, then waits for its
         outputs to be sent and 20 ms more before it replies, so the server is paused a little longer);
         ``switch`` from the pause request on, which includes the step in progress, during which the server
         still generates."""
+        client = self._client
+        if client is None:
+            raise EngineError("VllmEngine is not started")
+        restore_failed: list[EngineError] = []
+        try:
+            return await asyncio.to_thread(self._switch_calls, client, version, path, digest, restore_failed)
+        finally:
+            if restore_failed:  # new weights under the old label, and the held ones could not be put back
+                self._held_weights_lost(restore_failed[0])
+
+    def _switch_calls(
+        self, client: ServerClient, version: int, path: Path, digest: str, restore_failed: list[EngineError]
+    ) -> tuple[float, float]:
         start = time.perf_counter()
-        await self._call("POST", "/pause", params={"mode": "keep"})
+        client.call_blocking("POST", "/pause?mode=keep")
         paused = time.perf_counter()
         try:
-            await self._rpc_load(path, digest)
+            self._check_load(
+                client.call_blocking("POST", "/collective_rpc", json_body=_load_rpc(path, digest)), path, digest
+            )
             try:
-                await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
+                client.call_blocking("POST", "/update_weight_version", json_body={"new_version": str(version)})
             except EngineError:
-                await self._restore_held()  # new weights under the old label: never serve that
+                try:  # never serve new weights under the old label: put the held ones back before resuming
+                    held = self._held_file
+                    if held is None:
+                        raise VllmError("no earlier weight file to go back to") from None
+                    reply = client.call_blocking("POST", "/collective_rpc", json_body=_load_rpc(held[1], held[2]))
+                    self._check_load(reply, held[1], held[2])
+                except EngineError as exc:
+                    restore_failed.append(exc)
                 raise
             self._version = version
         finally:
-            await self._call("POST", "/resume")
+            client.call_blocking("POST", "/resume")
         end = time.perf_counter()
         return end - paused, end - start
+
+    def _held_weights_lost(self, exc: EngineError) -> None:
+        """The server may hold new weights under the old label. Our own server, gone mid-switch (killed,
+        crashed): nothing is sent to it until the supervisor has restarted it from the held file. Anyone
+        else's, or one that refused the held file: the engine fails."""
+        if isinstance(exc, ConnectionLost) and self.server is not None:
+            self._serving.clear()
+            self._restart_reason = f"unreachable during a weight switch ({exc})"
+            return
+        self._error = EngineError(f"the vLLM server holds weights of no known version: {exc}")
 
     def adapter_name(self, version: int) -> str:
         """The server-side name of adapter ``version`` (one name, one adapter: never reused)."""
@@ -603,40 +643,21 @@ class VllmEngine:
             await asyncio.to_thread(shutil.rmtree, path, True)
 
     async def _rpc_load(self, path: Path, digest: str) -> None:
-        reply = await self._call(
-            "POST",
-            "/collective_rpc",
-            json={"method": "miles_load_weights", "kwargs": {"path": str(path), "digest": digest}},
-        )
+        self._check_load(await self._call("POST", "/collective_rpc", json=_load_rpc(path, digest)), path, digest)
+
+    def _check_load(self, reply: Any, path: Path, digest: str) -> None:
+        """``miles_load_weights``' answer: every server worker (tensor-parallel rank) loaded the file, and its
+        digest is ``digest``."""
         results = reply.get("results") if isinstance(reply, dict) else None
         if not isinstance(results, list) or not results:
             raise VllmError(f"miles_load_weights answered {reply!r}")
-        for result in results:  # one per server worker (tensor-parallel ranks)
+        for result in results:
             if not isinstance(result, dict) or not result.get("ok"):
                 error = result.get("error") if isinstance(result, dict) else result
                 raise VllmError(f"the vLLM server did not load {path.name}: {error}")
             if result.get("digest") != digest:
                 raise VllmError(f"the vLLM server loaded digest {result.get('digest')}, expected {digest}")
         self.last_copy_s = max(float(result.get("copy_s") or 0.0) for result in results)
-
-    async def _restore_held(self) -> None:
-        held = self._held_file
-        try:
-            if held is None:
-                raise VllmError("no earlier weight file to go back to")
-            await self._rpc_load(held[1], held[2])
-        except ConnectionLost as exc:
-            if self.server is None:
-                self._error = EngineError(f"the vLLM server holds weights of no known version: {exc}")
-                raise self._error from None
-            # Our own server, gone mid-switch (killed, crashed): whatever it holds is unknown, so nothing is
-            # sent to it until the supervisor has restarted it from the held file.
-            self._serving.clear()
-            self._restart_reason = f"unreachable during a weight switch ({exc})"
-            raise
-        except EngineError as exc:
-            self._error = EngineError(f"the vLLM server holds weights of no known version: {exc}")
-            raise self._error from None
 
     async def held_digest(self) -> str:
         """The digest of the weights the server says it holds (its own answer, not ours)."""
