@@ -37,6 +37,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -129,6 +130,7 @@ class VllmEngine:
         self._held_file: tuple[int, Path, str] | None = None  # version, file, digest the server holds
         self._restart_reason: str | None = None  # set when the server's weights are unknown: the supervisor acts
         self._tasks: list[asyncio.Task[None]] = []
+        self._labeller = ThreadPoolExecutor(1, thread_name_prefix="vllm-label")  # the label beside the load
         self.switches = 0
         self.last_pause_s = 0.0  # the server paused, see _switch
         self.last_switch_s = 0.0  # pause requested to resumed, the step in progress included
@@ -561,17 +563,30 @@ class VllmEngine:
     def _switch_calls(
         self, client: ServerClient, version: int, path: Path, digest: str, restore_failed: list[EngineError]
     ) -> tuple[float, float]:
+        """While paused, the load and the new label go out at once (no step runs until the resume, so their
+        order does not matter); each undoes the other if only one of them succeeds."""
         start = time.perf_counter()
         client.call_blocking("POST", "/pause?mode=keep")
         paused = time.perf_counter()
         try:
-            self._check_load(
-                client.call_blocking("POST", "/collective_rpc", json_body=_load_rpc(path, digest)), path, digest
+            label = self._labeller.submit(
+                client.call_blocking, "POST", "/update_weight_version", json_body={"new_version": str(version)}
             )
             try:
-                client.call_blocking("POST", "/update_weight_version", json_body={"new_version": str(version)})
+                reply = client.call_blocking("POST", "/collective_rpc", json_body=_load_rpc(path, digest))
+                self._check_load(reply, path, digest)
             except EngineError:
-                try:  # never serve new weights under the old label: put the held ones back before resuming
+                if label.exception() is None:  # the old weights under the new label: put the old label back
+                    try:
+                        old = {"new_version": str(self._version)}
+                        client.call_blocking("POST", "/update_weight_version", json_body=old)
+                    except EngineError as exc:
+                        restore_failed.append(exc)
+                raise
+            try:
+                label.result()
+            except EngineError:
+                try:  # the new weights under the old label: put the held weights back before resuming
                     held = self._held_file
                     if held is None:
                         raise VllmError("no earlier weight file to go back to") from None
