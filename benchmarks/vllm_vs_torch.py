@@ -5,8 +5,9 @@
 Each pair runs `recipes/quickstart.yaml` (torch engine) and `recipes/quickstart-vllm.yaml` (a vLLM CPU server
 the worker starts, float32) for ``--steps`` steps with the same seed, then a third arm, vLLM with
 ``sync.mode=delta``. Per arm it reports the median step time and generation tokens/s (metrics.jsonl), the
-weight update's cost per version (bytes published per version from the trainer's log; the generation pause
-per version from the worker's log: the torch engine's switch at a token boundary, vLLM's pause/load/resume),
+weight update's cost per version (bytes published per version from the trainer's log; from the worker's log,
+vLLM's pause per version, median and p90: ``pause_ms`` from /pause's reply to /resume's, when the server is
+paused, and ``switch_ms`` from the pause request on, which holds the step in progress too),
 CPU seconds of the whole run, and held-out accuracy before and after. The two recipes differ only in the
 engine and in the model's head count (vLLM's CPU attention needs head_dim >= 32: 2 heads of 32, not 4 of 16),
 so the models have the same parameter count but are not the same model.

@@ -288,8 +288,8 @@ class VllmEngineConfig(Strict):
     max_loras: int = Field(
         4,
         ge=2,
-        description="LoRA mode: adapters one batch may mix (--max-loras); requests started on older versions keep "
-        "theirs, so at least staleness.max_staleness + 2.",
+        description="LoRA mode: adapters one batch may mix (--max-loras). Requests started on older versions keep "
+        "theirs; below staleness.max_staleness + 2 some of them wait for a slot.",
     )
 
 
