@@ -50,14 +50,18 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+async def make_engine(model_dir: Path, work: Path, version: int) -> VllmEngine:
+    """An engine (not started) whose server the test's own vLLM environment runs, watched closely."""
+    python = await asyncio.to_thread(ensure_vllm_env)
+    cfg = VllmEngineConfig(python=str(python), max_context=128, health_every_s=0.5, hang_checks=4)
+    return VllmEngine(
+        cfg, model_dir, version=version, weights_dir=work / "weights", log_path=work / "vllm.log", max_context=128
+    )
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    python = await asyncio.to_thread(ensure_vllm_env)
-    work = tmp_path_factory.mktemp("vllm-engine")
-    cfg = VllmEngineConfig(python=str(python), max_context=128, health_every_s=0.5, hang_checks=4)
-    eng = VllmEngine(
-        cfg, tiny_model_dir, version=0, weights_dir=work / "weights", log_path=work / "vllm.log", max_context=128
-    )
+    eng = await make_engine(tiny_model_dir, tmp_path_factory.mktemp("vllm-engine"), version=0)
     await eng.start()
     yield eng
     await eng.close()
@@ -252,12 +256,7 @@ LORA = LoraConfig(rank=8, alpha=16, target_modules=["q_proj", "v_proj"])
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def lora_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """A second server, started with LoRA serving: sync.mode lora on vLLM."""
-    python = await asyncio.to_thread(ensure_vllm_env)
-    work = tmp_path_factory.mktemp("vllm-lora")
-    cfg = VllmEngineConfig(python=str(python), max_context=128, health_every_s=0.5, hang_checks=4)
-    eng = VllmEngine(
-        cfg, tiny_model_dir, version=-1, weights_dir=work / "weights", log_path=work / "vllm.log", max_context=128
-    )
+    eng = await make_engine(tiny_model_dir, tmp_path_factory.mktemp("vllm-lora"), version=-1)
     eng.serve_adapters(LORA)
     await eng.start()
     yield eng

@@ -43,6 +43,12 @@ def state_digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def read_and_hash(path: str) -> tuple[dict[str, torch.Tensor], str]:
+    """A safetensors file's tensors and their :func:`state_digest`."""
+    state = load_file(path)
+    return state, state_digest(state)
+
+
 class MilesWeightLoader:
     """Mixed into vLLM's worker class (``--worker-extension-cls``); ``self.model_runner`` is the worker's.
 
@@ -59,8 +65,7 @@ class MilesWeightLoader:
 
         def read() -> None:
             try:
-                state = load_file(path)
-                future.set_result((state, state_digest(state)))
+                future.set_result(read_and_hash(path))
             except BaseException as exc:  # noqa: BLE001 - handed to miles_load_weights, which answers it
                 future.set_exception(exc)
 
@@ -79,8 +84,7 @@ class MilesWeightLoader:
         self._miles_prefetch = None
         if pending is not None and pending[0] == path:
             return pending[1].result()
-        state = load_file(path)
-        return state, state_digest(state)
+        return read_and_hash(path)
 
     def miles_load_weights(self, path: str, digest: str) -> dict[str, Any]:
         try:
@@ -106,7 +110,7 @@ class MilesWeightLoader:
         """The digest of a (small) safetensors file as this process reads it: a LoRA adapter's, checked before
         the server loads it."""
         try:
-            return {"digest": state_digest(load_file(path))}
+            return {"digest": read_and_hash(path)[1]}
         except Exception as exc:  # noqa: BLE001 - answered to the client, which refuses the file
             return {"error": f"cannot read {path}: {type(exc).__name__}: {exc}"}
 
