@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, Tag, ValidationError, field_v
 
 from miles.algo.config import AlgoConfig  # the RL objective's sections live next to their code
 from miles.bus.urls import split_urls
-from miles.config_base import IMPORT_TAG, REWARD_RANGE_DOC, TRANSPORT_NAME, RewardRange, Strict, TaskBase, variant
+from miles.config_base import IMPORT_TAG, REGISTERED_NAME, REWARD_RANGE_DOC, RewardRange, Strict, TaskBase, variant
 from miles.models.families.config import FamilyModelConfig
 from miles.sandbox.config import SandboxConfig
 from miles.security.config import BusSecurityFields
@@ -567,11 +567,13 @@ class StalenessConfig(Strict):
 
 
 class SyncConfig(Strict):
-    mode: Literal["full", "delta", "lora"] = Field(
+    mode: str = Field(
         "full",
-        description="Weight-sync mode: 'full' publishes every version whole; 'delta' publishes a sparse delta "
-        "against the previous version, with a full anchor every anchor_every versions; 'lora' publishes only the "
-        "adapter tensors (needs trainer.lora) (docs/weight-sync.md).",
+        pattern=REGISTERED_NAME,
+        description="Weight-sync mode, a name registered in miles.sync.modes (register_sync_mode; a recipe's "
+        "plugins may add one): 'full' publishes every version whole; 'delta' publishes a sparse delta against the "
+        "previous version, with a full anchor every anchor_every versions; 'lora' publishes only the adapter "
+        "tensors (needs trainer.lora) (docs/weight-sync.md).",
     )
     dtype: Literal["bfloat16", "float32", "fp8_e4m3", "fp4_e2m1"] = Field(
         "bfloat16",
@@ -588,7 +590,7 @@ class SyncConfig(Strict):
     anchor_every: int = Field(10, ge=1, description="Delta mode: publish a full anchor every this many versions.")
     transport: str = Field(
         "bus",
-        pattern=TRANSPORT_NAME,
+        pattern=REGISTERED_NAME,
         description="How full-mode payloads reach the workers (the announcement, digests and audit are the same "
         "for all), a name registered on both sides (miles.sync.sender.register_transport, "
         "miles.sync.receiver.register_receiver; checked by `miles prepare`): 'bus' (the JetStream data plane), "
@@ -737,10 +739,9 @@ class RunConfig(Strict):
                 f"trainer.groups_per_step ({self.trainer.groups_per_step}) must be divisible by "
                 f"trainer.ranks ({self.trainer.ranks})"
             )
-        if self.sync.mode == "lora" and self.trainer.lora is None:
-            raise ValueError("sync.mode 'lora' needs trainer.lora (the adapter to train and sync)")
-        if self.sync.transport != "bus" and self.sync.mode != "full":
-            raise ValueError(f"sync.transport {self.sync.transport!r} carries full payloads: it needs sync.mode 'full'")
+        from miles.sync.modes import sync_mode  # registered by the built-ins and the recipe's plugins (above)
+
+        sync_mode(self).check()
         if self.trainer.lora is not None and self.sync.dtype in ("fp8_e4m3", "fp4_e2m1"):
             raise ValueError(f"sync.dtype {self.sync.dtype!r} is not supported with trainer.lora (adapters are bf16)")
         if self.rollout.engine.type == "vllm":

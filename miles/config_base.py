@@ -36,9 +36,9 @@ class TaskBase(Strict):
         return value
 
 
-# A weight transport's name (sync.transport, announcements, run info): registered on both sides by name, so no
-# list of names is closed in the config or the schema.
-TRANSPORT_NAME = r"^[a-z][a-z0-9_]{0,31}$"
+# The name of a weight transport or a sync mode (sync.transport, sync.mode, announcements, run info): registered
+# by name (a transport on both sides), so no list of names is closed in the config or the schema.
+REGISTERED_NAME = r"^[a-z][a-z0-9_]{0,31}$"
 
 # The tag of a variant named by a user's import path (``type: package.module:Name``, miles.plugins).
 IMPORT_TAG = "import"

@@ -92,10 +92,14 @@ Factory = Callable[..., T]
 
 
 class Registry(Generic[T]):
-    """Factories of one kind by name (``factory(config, ...) -> T``), or a user's by import path."""
+    """Factories of one kind by name (``factory(config, ...) -> T``), or a user's by import path.
 
-    def __init__(self, kind: str) -> None:
+    ``by_path=False``: names only, for a kind whose name travels in messages and the run info (a weight
+    transport, a sync mode); a user's is registered by name from a module the recipe's ``plugins`` imports."""
+
+    def __init__(self, kind: str, *, by_path: bool = True) -> None:
         self.kind = kind
+        self.by_path = by_path
         self._factories: dict[str, Factory[T]] = {}
 
     def register(self, name: str) -> Callable[[Factory[T]], Factory[T]]:
@@ -113,13 +117,16 @@ class Registry(Generic[T]):
 
     def factory(self, name: str) -> Factory[T]:
         """The factory registered as ``name``, or the callable at import path ``name``."""
-        if is_import_path(name):
+        if is_import_path(name) and self.by_path:
             return import_callable(name, self.kind)
         factory = self._factories.get(name)
         if factory is None:
-            raise PluginError(
-                f"unknown {self.kind} {name!r}; known: {', '.join(self.names)}, or 'package.module:name' of your own"
+            own = (
+                "or 'package.module:name' of your own"
+                if self.by_path
+                else "or one of your own, registered from a module in the recipe's plugins"
             )
+            raise PluginError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names)}, {own}")
         return factory
 
     def build(self, cfg: Any) -> T:

@@ -37,6 +37,7 @@ from miles.rollout.evaluate import evaluate
 from miles.rollout.render import Renderer
 from miles.security.signing import SIGNATURE_HEADER
 from miles.sync.follower import WeightFollower
+from miles.sync.modes import sync_mode
 from miles.sync.receiver import WeightReceiver, build_receiver
 from miles.tasks.base import Sample, Task
 
@@ -105,7 +106,7 @@ class RolloutWorker(Actor):
         seed = cfg.seed * 1_000_003 + zlib.crc32(self.actor_id.encode())  # distinct samples per worker
         # Version -1: the engine generates nothing until it holds a published, verified version (even
         # version 0 is fetched: the trainer's rollout-precision weights, not the float32 checkpoint).
-        lora = cfg.trainer.lora if cfg.sync.mode == "lora" else None
+        lora = sync_mode(cfg).worker_lora()
         self.engine = await asyncio.to_thread(
             build_staging_engine,
             cfg.rollout.engine,

@@ -49,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from miles.bus.errors import BusError
 from miles.bus.schema import SCHEMA_VERSION, Count, Message, SchemaError, encode
-from miles.config_base import TRANSPORT_NAME
+from miles.config_base import REGISTERED_NAME
 from miles.models.tokenizer_facts import TOKENIZER_FILES, tokenizer_facts
 from miles.plugins import is_import_path
 
@@ -139,9 +139,9 @@ class ModelInfo(_Part):
 
 
 class SyncInfo(_Part):
-    mode: Literal["full", "delta", "lora"]
+    mode: str = Field(pattern=REGISTERED_NAME, description="sync.mode: a sync mode registered by name.")
     precision: str = Field(description="Rollout precision: bfloat16, float32, fp8_e4m3, fp4_e2m1.")
-    transport: str = Field(pattern=TRANSPORT_NAME, description="sync.transport: a transport registered by name.")
+    transport: str = Field(pattern=REGISTERED_NAME, description="sync.transport: a transport registered by name.")
 
 
 class BusInfo(_Part):

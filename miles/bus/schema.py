@@ -17,7 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from miles.config_base import TRANSPORT_NAME
+from miles.config_base import REGISTERED_NAME
 
 SCHEMA_VERSION = 2
 # What changed at each version, for the dead-letter reason of a message from an older producer.
@@ -296,7 +296,7 @@ class WeightsAnnounced(Message):
     )
     transport: str = Field(
         "bus",
-        pattern=TRANSPORT_NAME,
+        pattern=REGISTERED_NAME,
         description="Where the payload is, a registered transport name: 'bus' (the data plane streams), 'fs' (the "
         "directory 'location' under the run's shared weights directory), 'broadcast' (already received by the "
         "weight-update group 'location'; readers outside the group wait for a bus announcement of a newer "

@@ -54,9 +54,10 @@ from typing import TYPE_CHECKING
 import structlog
 
 from miles.config import LoraConfig
-from miles.engines.adapter_files import fsync_file, save_peft_adapter, validate_adapter, write_dir_atomically
+from miles.engines.adapter_files import fsync_file, save_peft_adapter, write_dir_atomically
 from miles.engines.base import Generation, SamplingParams, SparseValues
 from miles.engines.sglang_engine import SglangEngine
+from miles.engines.staging import StagedSlot, whole_state
 
 if TYPE_CHECKING:
     import torch
@@ -98,9 +99,8 @@ class SglangStagingEngine:
         self.lora = lora
         self.model_dir = None if model_dir is None else Path(model_dir)
         self.base_model = base_model  # LoRA: base_model_name_or_path in adapter_config.json
-        self._cond = threading.Condition()  # guards the fields below; never held across disk or HTTP
-        self._staged: tuple[int, dict[str, torch.Tensor]] | None = None  # newest version waiting for the thread
-        self._loading: int | None = None  # version the thread is writing/loading
+        self._slot = StagedSlot()
+        self._cond = self._slot.cond  # guards the slot and the fields below; never held across disk or HTTP
         self._worker: threading.Thread | None = None
         self._pins = 0  # pinned() blocks in force: staged versions wait
         self.switches = 0
@@ -129,10 +129,7 @@ class SglangStagingEngine:
     @property
     def pending_version(self) -> int | None:
         """Version staged or being loaded, not yet adopted; None if none."""
-        with self._cond:
-            if self._staged is not None:
-                return self._staged[0]
-            return self._loading
+        return self._slot.pending
 
     def heartbeat_stats(self) -> dict[str, float]:
         """Load health for the worker's heartbeat: failures so far, whether the latest load failed, last write time."""
@@ -148,11 +145,9 @@ class SglangStagingEngine:
 
     async def close(self) -> None:
         """Drop what is staged, wait for a load under way (at most ``cfg.timeout_s``), close the engine."""
-        with self._cond:
-            self._staged = None
-            self._cond.notify_all()
+        self._slot.clear()
         if not await asyncio.to_thread(self.wait_idle, self.engine.cfg.timeout_s):
-            log.warning("sglang_staging_close_timeout", loading=self._loading, timeout_s=self.engine.cfg.timeout_s)
+            log.warning("sglang_staging_close_timeout", loading=self._slot.loading, timeout_s=self.engine.cfg.timeout_s)
         await self.engine.close()
 
     async def __aenter__(self) -> SglangStagingEngine:
@@ -172,7 +167,7 @@ class SglangStagingEngine:
         already under way is waited for first, so ``version`` is what the server runs meanwhile."""
         with self._cond:
             self._pins += 1
-            loading = self._loading is not None
+            loading = self._slot.loading is not None
         try:
             if loading:
                 await asyncio.to_thread(self._wait_loaded)
@@ -184,7 +179,7 @@ class SglangStagingEngine:
 
     def _wait_loaded(self) -> None:
         with self._cond:
-            self._cond.wait_for(lambda: self._loading is None)
+            self._cond.wait_for(lambda: self._slot.loading is None)
 
     def weight_sink(self, precision: str, lora_scale: float | None) -> EngineWeights:
         """Whole states (dequantized FP8/FP4) written as checkpoints; in LoRA mode the adapter itself, which the
@@ -212,48 +207,20 @@ class SglangStagingEngine:
         """Park ``state`` as ``version`` for the background loader; False if not newer than the version
         adopted, being loaded or already staged (a newer stage replaces an older one not yet taken).
 
-        Never blocks on disk or HTTP. Declines (False) the follower's delta fast path (sparse values against
-        ``base_version``): the follower stages the reconstructed whole state instead. Raises ``ValueError``
-        (nothing staged) for other :class:`SparseValues`, for
-        ``complete=False`` in full mode (SGLang reloads whole checkpoints: reconstruct a delta first) and,
-        in LoRA mode, for a state that is not a peft LoRA adapter of ``lora``'s rank and target modules.
-        Otherwise ``base_version`` is ignored: what is staged is whole (a full state, or a whole adapter). The
-        caller must not mutate the tensors afterwards.
+        Never blocks on disk or HTTP. SGLang reloads whole checkpoints (or whole adapters): the follower's delta
+        fast path is declined (False) and other states are checked by :func:`~miles.engines.staging.whole_state`
+        (``ValueError``, nothing staged). The caller must not mutate the tensors afterwards.
         """
-        sparse = [k for k, v in state.items() if isinstance(v, SparseValues)]
-        if base_version is not None and sparse and self.lora is None:
-            return False  # the follower's delta fast path, declined: it stages the whole reconstructed state then
-        if sparse:
-            raise ValueError(
-                f"stage_weights: SGLang loads whole tensors from disk; {len(sparse)} sparse update(s) "
-                f"(e.g. {sparse[0]!r}): reconstruct the full state first"
-            )
-        if not state:
-            raise ValueError("stage_weights: empty state")
-        tensors: dict[str, torch.Tensor] = dict(state)  # type: ignore[arg-type]  # no SparseValues left
-        if self.lora is not None:
-            validate_adapter(tensors, self.lora)
-        elif not complete:
-            raise ValueError(
-                "stage_weights: SGLang reloads whole checkpoints; a partial update (complete=False) must be "
-                "reconstructed into a complete state first"
-            )
-        version = int(version)
+        tensors = whole_state(state, server="SGLang", lora=self.lora, base_version=base_version, complete=complete)
+        if tensors is None:
+            return False
         with self._cond:
-            if version <= self._newest_locked():
+            if not self._slot.offer(int(version), tensors, self.engine.version):
                 return False
-            self._staged = (version, tensors)
             if self._worker is None:
                 self._worker = threading.Thread(target=self._run, name="sglang-staging", daemon=True)
                 self._worker.start()
         return True
-
-    def _newest_locked(self) -> int:
-        return max(
-            self.engine.version,
-            -1 if self._staged is None else self._staged[0],
-            -1 if self._loading is None else self._loading,
-        )
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Block until nothing is staged or loading; False on timeout. (Tests, shutdown: not the event loop.)"""
@@ -270,16 +237,16 @@ class SglangStagingEngine:
         """
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._pins == 0 or self._staged is None)  # pinned: hold loads back
-                staged, self._staged = self._staged, None
+                self._cond.wait_for(lambda: self._pins == 0 or self._slot.staged is None)  # pinned: hold loads back
+                staged = self._slot.take()
                 if staged is None:
                     self._worker = None
                     self._cond.notify_all()
                     return
                 version, tensors = staged
                 if version <= self.engine.version:  # e.g. load_weights jumped past it meanwhile
+                    self._slot.loading = None
                     continue
-                self._loading = version
             try:
                 self._load(version, tensors)
             except Exception as exc:
@@ -288,9 +255,7 @@ class SglangStagingEngine:
                     self.last_error = exc
                 log.error("sglang_weights_load_failed", version=version, error=f"{type(exc).__name__}: {exc}")
             finally:
-                with self._cond:
-                    self._loading = None
-                    self._cond.notify_all()
+                self._slot.done()
                 del tensors
             try:
                 self._prune()

@@ -17,7 +17,7 @@ balanced by bytes, the same on every rank), and each rank keeps only its own ten
 A full anchor goes the same way without records: the owners only take the new bits. So every rank holds
 its share of the previous state, one tensor in flight and one record; rank 0 never more than its share.
 If an export fails part-way, some owners hold new bits and some old: the sender's next version is then an
-anchor (:meth:`DeltaSchedule.anchor_reason`), which rewrites every owner's share.
+anchor (:meth:`miles.sync.modes.DeltaSchedule.anchor_reason`), which rewrites every owner's share.
 """
 
 from __future__ import annotations
@@ -209,33 +209,3 @@ def _record(previous: torch.Tensor | None, new: torch.Tensor, name: str, level: 
     except ValueError as exc:  # the encoder's contract: dtype or size changed, only a full payload will do
         log.warning("owned_delta.encoder_refused", tensor=name, error=str(exc))
         return b""
-
-
-@dataclass(slots=True)
-class DeltaSchedule:
-    """When the next version must be a full anchor rather than a delta (the trainer leader's view)."""
-
-    anchor_every: int
-    previous: int | None = None  # newest version published by this process
-    anchor: int | None = None  # newest anchor published by this process
-
-    def anchor_reason(self, version: int) -> str | None:
-        """Why ``version`` must be a full anchor (None: a delta will do)."""
-        if self.previous is None:
-            return "no_previous_state"  # first publish of this process (version 0, a restart, a failed export)
-        if version == 0:
-            return "version_0"
-        if version <= self.previous:
-            return "not_newer"
-        if self.anchor is None or version - self.anchor >= self.anchor_every:
-            return "anchor_every"
-        return None
-
-    def published(self, version: int, *, anchor: bool) -> None:
-        self.previous = version
-        if anchor:
-            self.anchor = version
-
-    def failed(self) -> None:
-        """An export ended part-way: the owners' shares are mixed, so the next version is an anchor."""
-        self.previous = None

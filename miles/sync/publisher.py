@@ -24,7 +24,7 @@ from miles.bus.client import KEY_TRAINER_VERSION, Bus
 from miles.bus.schema import WeightsAnnounced
 from miles.security.signing import payload_sha256
 from miles.sync.delta import encode_state_delta
-from miles.sync.owned_delta import DeltaSchedule
+from miles.sync.modes import DeltaSchedule
 from miles.sync.payload import serialize_state
 from miles.sync.precision import state_digest
 from miles.sync.transport.dataplane import WeightStore

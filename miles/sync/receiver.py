@@ -20,6 +20,7 @@ from miles.engines.base import StagingEngine
 from miles.plugins import Registry
 from miles.sync.follower import WeightFollower
 from miles.sync.lora import lora_scale
+from miles.sync.modes import sync_mode
 from miles.sync.sender import TRANSPORTS, open_stores
 from miles.sync.transport.base import PayloadSource, TransportBroken
 from miles.sync.transport.broadcast import BroadcastReceiver, join_run_group
@@ -58,7 +59,8 @@ class ReceiverSide:
     service: Service | None = None
 
 
-RECEIVER_TRANSPORTS: Registry[Awaitable[ReceiverSide]] = Registry("weight receiver")  # factory(ReceiverContext)
+# factory(ReceiverContext)
+RECEIVER_TRANSPORTS: Registry[Awaitable[ReceiverSide]] = Registry("weight receiver", by_path=False)
 register_receiver = RECEIVER_TRANSPORTS.register  # the worker side of ``sync.transport: <name>``
 
 
@@ -124,7 +126,7 @@ async def build_receiver(
     """The worker's weight receiver for ``cfg.sync``, staging into ``engine`` through its weight sink."""
     factory = RECEIVER_TRANSPORTS.factory(cfg.sync.transport)
     store, delta_store = await open_stores(cfg, bus)
-    lora = cfg.trainer.lora if cfg.sync.mode == "lora" else None
+    lora = sync_mode(cfg).worker_lora()
     sink = engine.weight_sink(cfg.sync.dtype, None if lora is None else lora_scale(lora))
     side = await factory(ReceiverContext(cfg, bus, run_dir, group_rank, log))
     follower = WeightFollower(

@@ -1,17 +1,20 @@
 """The trainer's side of weight sync: one object that turns the trained weights into a published version.
 
-:func:`build_sender` opens the data-plane stores, the publish path of ``sync.mode`` and, once the trainer
-knows whether this is the run's first start, the payload transport that ``sync.transport`` names. The
-trainer then calls :meth:`WeightSender.publish` and nothing else of sync. Transports are registered by name
-(:func:`register_transport`), so a new one is a factory here, not a branch in the trainer.
+:func:`build_sender` opens the data-plane stores, the mode ``sync.mode`` names (:mod:`miles.sync.modes`) and,
+once the trainer knows whether this is the run's first start, the payload transport that ``sync.transport``
+names. The trainer then calls :meth:`WeightSender.publish` and nothing else of sync. Modes and transports are
+registered by name (:func:`~miles.sync.modes.register_sync_mode`, :func:`register_transport`), so a new one is
+a factory, not a branch in the trainer.
 
-Every mode streams one tensor at a time; no rank holds the whole state:
+Every mode streams one tensor at a time and no rank holds the whole state. The sender's primitives, which a
+mode combines:
 
-* ``full``: the export goes into the transport as it is gathered.
-* ``lora``: the same, of the adapter only.
-* ``delta``: each tensor's previous bits live on the trainer rank that owns it, which encodes its delta
-  record (:mod:`miles.sync.owned_delta`); rank 0 writes the records into the delta store as they come, and
-  a full anchor every ``sync.anchor_every`` versions (or when a delta cannot be made) into the full store.
+* :meth:`WeightSender.stream`: the export (or the adapter only) into the transport as it is gathered.
+* :meth:`WeightSender.owned_delta`: each tensor's previous bits live on the trainer rank that owns it, which
+  encodes its delta record (:mod:`miles.sync.owned_delta`); rank 0 writes the records into the delta store as
+  they come.
+* :meth:`WeightSender.owned_anchor`: a full payload into the full store from the same owned export (it
+  refreshes every owner's previous bits).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import hashlib
 from collections.abc import Awaitable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import xxhash
 
@@ -30,7 +33,8 @@ from miles.bus.schema import WeightsAnnounced
 from miles.models.families.registry import family_of
 from miles.plugins import Registry
 from miles.sync.delta import framed_record, state_delta_header
-from miles.sync.owned_delta import DeltaSchedule, OwnedTensor
+from miles.sync.modes import SyncMode, sync_mode
+from miles.sync.owned_delta import OwnedTensor
 from miles.sync.publisher import Lineage, Published, announce, delta_keep_versions
 from miles.sync.stream_export import (
     ExportSummary,
@@ -66,7 +70,8 @@ class TransportContext:
     log: Any
 
 
-TRANSPORTS: Registry[Awaitable[WeightTransport]] = Registry("weight transport")  # factory(TransportContext)
+# factory(TransportContext)
+TRANSPORTS: Registry[Awaitable[WeightTransport]] = Registry("weight transport", by_path=False)
 register_transport = TRANSPORTS.register  # the trainer side of ``sync.transport: <name>``
 
 
@@ -113,9 +118,7 @@ class WeightSender:
         self.delta_store = delta_store
         self.log = log
         self.transport: WeightTransport = BusTransport(store)
-        # Delta mode: when the next version is an anchor. Nothing published by this process yet, so after a
-        # restart the first version is an anchor.
-        self.schedule = DeltaSchedule(cfg.sync.anchor_every)
+        self.mode: SyncMode = sync_mode(cfg)  # what each version carries (a fresh one: a restart anchors first)
 
     async def connect(self, *, first_start: bool) -> None:
         """Open the full-mode payload transport of ``sync.transport`` (registered in :data:`TRANSPORTS`)."""
@@ -129,12 +132,8 @@ class WeightSender:
         return [v for v in newest if v is not None]
 
     async def publish(self, version: int, lineage: Lineage) -> Published:
-        """Export the current weights and publish (and announce) them as ``version``."""
-        if self.cfg.sync.mode == "delta":
-            return await self.store.retried(
-                lambda: self._publish_delta(version, lineage), what=f"weights v{version} (delta mode)"
-            )
-        return await self._stream(version, lineage, adapter_only=self.cfg.sync.mode == "lora")
+        """Export the current weights and publish (and announce) them as ``version``, as the mode says."""
+        return await self.mode.publish(self, version, lineage)
 
     async def _announce(self, fields: dict[str, Any], lineage: Lineage, **extra: Any) -> Published:
         """The one place a version's announcement is built: the payload's facts (``fields``), where it sits in
@@ -160,9 +159,12 @@ class WeightSender:
         )
         return published
 
-    async def _stream(self, version: int, lineage: Lineage, *, adapter_only: bool) -> Published:
-        """The weights (or, in LoRA mode, only the adapter) streamed into the transport one tensor at a time.
-        An adapter is published in bf16 where the sync dtype quantizes (FP8/FP4 codes are for base weights)."""
+    async def stream(
+        self, version: int, lineage: Lineage, *, adapter_only: bool, mode: Literal["full", "lora"]
+    ) -> Published:
+        """The weights (or only the adapter) streamed into the transport one tensor at a time, announced as
+        payload ``mode`` (``full`` or ``lora``). An adapter is published in bf16 where the sync dtype quantizes
+        (FP8/FP4 codes are for base weights)."""
         from miles.sync.precision import is_quantized
 
         sync = self.cfg.sync
@@ -172,32 +174,15 @@ class WeightSender:
         out = await self.transport.publish(layout, lambda: self.ranks.export_stream(adapter_only), run=self.ranks.run)
         location = Path(out.location).name if out.transport == "fs" else out.location
         return await self._announce(
-            out.announcement_fields(), lineage, mode=sync.mode, transport=out.transport, location=location
+            out.announcement_fields(), lineage, mode=mode, transport=out.transport, location=location
         )
 
     @property
     def _family(self) -> str | None:
         return family_of(self.cfg.model)  # its quantization rule picks what FP8/FP4 quantize
 
-    async def _publish_delta(self, version: int, lineage: Lineage) -> Published:
-        """A delta against the previous version, or a full anchor (:class:`DeltaSchedule` says when)."""
-        reason = self.schedule.anchor_reason(version)
-        try:
-            if reason is None:
-                published = await self._owned_delta(version, lineage)
-                if published is not None:
-                    self.schedule.published(version, anchor=False)
-                    return published
-                reason = "encoder_refused"
-            published = await self._owned_anchor(version, lineage)
-        except BaseException:
-            self.schedule.failed()  # the owners' shares may be part new, part old: the next one is an anchor
-            raise
-        self.schedule.published(version, anchor=True)
-        self.log.info("weights_anchor_published", version=version, reason=reason, bytes=published.announcement.size)
-        return published
-
-    async def _owned_anchor(self, version: int, lineage: Lineage) -> Published:
+    async def owned_anchor(self, version: int, lineage: Lineage) -> Published:
+        """A full payload of the owned export (every owner refreshes its previous bits) into the full store."""
         layout = PayloadLayout.plan(
             self.ranks.worker.backend.export_specs(),
             self.cfg.sync.dtype,
@@ -221,11 +206,12 @@ class WeightSender:
         out = stored(info, summary.state_digest, summary.payload_sha256)
         return await self._announce(out.announcement_fields(), lineage, mode="full")
 
-    async def _owned_delta(self, version: int, lineage: Lineage) -> Published | None:
-        """The delta payload, written record by record as the owners encode them; None if an owner could not
-        encode one (no previous bits, or a tensor whose dtype or size changed): publish an anchor instead."""
-        assert self.delta_store is not None and self.schedule.previous is not None
-        base_version = self.schedule.previous
+    async def owned_delta(self, version: int, lineage: Lineage, *, base_version: int) -> Published | None:
+        """The delta against ``base_version`` (the previous version this process published), written record by
+        record as the owners encode them; None if an owner could not encode one (no previous bits, or a tensor
+        whose dtype or size changed): publish an anchor instead."""
+        if self.delta_store is None:
+            raise ValueError(f"sync.mode {self.cfg.sync.mode!r}: a delta needs the delta store (uses_delta_store)")
         specs = rollout_specs(self.ranks.worker.backend.export_specs(), self.cfg.sync.dtype, self._family)
         names = [spec.name for spec in specs]  # the payload's order: sorted, as the state digest hashes
 
@@ -305,7 +291,8 @@ def in_order(names: list[str], items: Iterable[OwnedTensor]) -> Iterator[OwnedTe
 
 
 async def open_stores(cfg: RunConfig, bus: Bus) -> tuple[WeightStore, WeightStore | None]:
-    """The full-state store and, in delta mode, the delta store (the trainer and the workers open the same)."""
+    """The full-state store and, for a mode that uses it, the delta store (the trainer and the workers open the
+    same)."""
     store = await WeightStore.create(
         bus.js,
         bus.subjects.run,
@@ -314,7 +301,7 @@ async def open_stores(cfg: RunConfig, bus: Bus) -> tuple[WeightStore, WeightStor
         ensure=bus.creates_streams,
     )
     delta_store = None
-    if cfg.sync.mode == "delta":
+    if sync_mode(cfg).uses_delta_store:
         delta_store = await WeightStore.create(
             bus.js,
             bus.subjects.run,

@@ -132,3 +132,21 @@ def test_a_two_rank_trainer_publishes_deltas_that_every_worker_verifies(
     events = [json.loads(line) for line in cluster.log("trainer-0").splitlines() if "weights_published" in line]
     modes = [e.get("mode") for e in events if e.get("event") == "weights_published"]
     assert modes.count("delta") >= cfg.trainer.steps // 2 and modes[0] == "full"
+
+
+@pytest.mark.slow
+def test_a_sync_mode_of_your_own_drives_a_real_run(tmp_path: Path, server: EmbeddedNats, model_cache: Path) -> None:
+    """A mode registered by a recipe's plugin module (tests/integration/checkpoint_anchors.py) is what the real
+    trainer publishes with: anchors at its checkpoint versions, deltas between, every held version verified."""
+    sets = {"plugins": ["tests.integration.checkpoint_anchors"], "sync.mode": "checkpoint_anchors"}
+    cfg = small_run_config(model_cache, "ownmode", **sets, **{"sync.anchor_every": 100})
+    cluster = run_to_completion(cfg, tmp_path / "run", server.url)
+    assert cluster.summary()["steps"] == cfg.trainer.steps
+    check_held_weights(cluster)
+    events = [json.loads(line) for line in cluster.log("trainer-0").splitlines() if "weights_" in line]
+    published = {e["version"]: e["mode"] for e in events if e.get("event") == "weights_published"}
+    anchors = {e["version"]: e["reason"] for e in events if e.get("event") == "weights_anchor_published"}
+    every = cfg.trainer.checkpoint_every
+    assert set(published) == set(range(cfg.trainer.steps + 1))
+    assert {v for v, mode in published.items() if mode == "delta"} == {v for v in published if v % every}
+    assert anchors == {v: "no_previous_state" if v == 0 else "checkpoint" for v in published if v % every == 0}

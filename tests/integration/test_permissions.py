@@ -506,8 +506,11 @@ async def test_teacher_replies_once_per_request_and_publishes_nothing_else(
     asking = asyncio.create_task(trainer.nc.request(S.teacher_score, b"score", timeout=5))
     try:
         request = await requests.next_msg(timeout=5)
-    except NatsTimeoutError:  # seen once in CI: say what the server told either side
-        raise AssertionError(f"no request reached the teacher; trainer: {trainer.errors}, teacher: {teacher.errors}")
+    except NatsTimeoutError:  # seen twice under a full suite: say what the server told either side, and the ask
+        outcome = repr(asking.exception()) if asking.done() else "still waiting"
+        raise AssertionError(
+            f"no request reached the teacher; trainer: {trainer.errors}, teacher: {teacher.errors}, request: {outcome}"
+        )
     await request.respond(b"first")
     assert (await asking).data == b"first"
     assert await teacher.refused_publish(request.reply, b"second")

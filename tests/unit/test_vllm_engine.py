@@ -195,7 +195,7 @@ def test_lora_mode_stages_the_adapter_itself_and_sizes_the_server_for_it(tmp_pat
     passed, _ = engine.weight_sink("bfloat16", 2.0).decode(adapter)
     assert set(passed) == set(adapter)  # handed through untouched, not merged
     assert engine.stage_weights(passed, 0, complete=False)
-    assert engine._staged is not None and set(engine._staged[1]) == set(adapter)
+    assert engine._slot.staged is not None and set(engine._slot.staged[1]) == set(adapter)
     with pytest.raises(ValueError):
         engine.stage_weights({"model.layers.0.self_attn.q_proj.weight": torch.zeros(6, 6)}, 1)  # not an adapter
     cmd = server_command("python", VllmEngineConfig(max_loras=3), "/m", 8000, lora)

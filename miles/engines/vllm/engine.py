@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
@@ -44,9 +43,10 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from miles.config import LoraConfig, VllmEngineConfig
-from miles.engines.adapter_files import WEIGHTS_NAME, save_peft_adapter, validate_adapter
+from miles.engines.adapter_files import WEIGHTS_NAME, save_peft_adapter
 from miles.engines.base import EngineError, FinishReason, Generation, SamplingParams, SparseValues
 from miles.engines.server_client import ConnectionLost, ServerClient, ServerError
+from miles.engines.staging import StagedSlot, whole_state
 
 if TYPE_CHECKING:
     import torch
@@ -114,13 +114,11 @@ class VllmEngine:
         self._client: ServerClient | None = None  # requests and control calls, opened by start()
         self._probe: ServerClient | None = None  # the supervisor's /health, on connections of its own
         self._error: EngineError | None = None
-        self._lock = threading.Lock()  # guards _staged (stage_weights may be called from any thread)
-        self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._slot = StagedSlot()  # stage_weights may be called from any thread
         self.lora: LoraConfig | None = None  # LoRA mode (serve_adapters): adapters served by the server
         self._adapter: tuple[str, int] | None = None  # (name, version) new requests name
         self._adapters: dict[str, Path] = {}  # loaded on the server and not unloaded, oldest first
         self._adapter_requests: Counter[str] = Counter()  # requests in flight per adapter name
-        self._loading: int | None = None
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._serving = asyncio.Event()  # set while requests may go to the server (cleared during a restart)
@@ -157,10 +155,7 @@ class VllmEngine:
 
     @property
     def pending_version(self) -> int | None:
-        with self._lock:
-            if self._staged is not None:
-                return self._staged[0]
-            return self._loading
+        return self._slot.pending
 
     def heartbeat_stats(self) -> dict[str, float]:
         """Server health for the worker's heartbeat (and so the monitor)."""
@@ -414,29 +409,11 @@ class VllmEngine:
         """Park a whole state (LoRA mode: a whole adapter) as ``version`` for the loader task; False if not newer
         than what it has.
 
-        Never blocks. vLLM reloads whole tensors from a file: a sparse update (the delta fast path) is not
-        staged (False, so the follower stages the whole reconstructed state instead); a partial state is
-        refused, outside LoRA mode, where it must be a peft adapter of ``trainer.lora``'s shape."""
-        sparse = any(isinstance(v, SparseValues) for v in state.values())
-        if base_version is not None and (sparse or not complete) and self.lora is None:
-            return False  # the delta fast path, declined: the follower then stages the whole reconstructed state
-        if sparse:
-            raise ValueError("stage_weights: vLLM loads whole tensors, not sparse updates")
-        if not state:
-            raise ValueError("stage_weights: empty state")
-        tensors: dict[str, torch.Tensor] = dict(state)  # type: ignore[arg-type]  # no SparseValues left
-        if self.lora is not None:
-            validate_adapter(tensors, self.lora)
-        elif not complete:
-            raise ValueError("stage_weights: vLLM reloads whole states; a partial one must be completed first")
-        version = int(version)
-        with self._lock:
-            newest = max(self._version, self._loading if self._loading is not None else -1)
-            if self._staged is not None:
-                newest = max(newest, self._staged[0])
-            if version <= newest:
-                return False
-            self._staged = (version, tensors)
+        Never blocks. vLLM reloads whole tensors from a file: the follower's delta fast path is declined (False)
+        and other states are checked by :func:`~miles.engines.staging.whole_state` (``ValueError``)."""
+        tensors = whole_state(state, server="vLLM", lora=self.lora, base_version=base_version, complete=complete)
+        if tensors is None or not self._slot.offer(int(version), tensors, self._version):
+            return False
         if self._loop is not None and self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
         return True
@@ -470,17 +447,13 @@ class VllmEngine:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            with self._lock:
-                staged, self._staged = self._staged, None
-                if staged is not None:
-                    self._loading = staged[0]
+            staged = self._slot.take()
             if staged is None:
                 continue
             try:
                 await self._load(*staged)
             finally:
-                with self._lock:
-                    self._loading = None
+                self._slot.done()
 
     async def _load(self, version: int, state: dict[str, torch.Tensor]) -> None:
         start = time.perf_counter()
@@ -499,9 +472,7 @@ class VllmEngine:
             self.failures += 1
             self.last_error = exc
             log.error("vllm_weights_load_failed", version=version, error=str(exc))
-            with self._lock:  # try this version again unless a newer one came meanwhile
-                if self._staged is None:
-                    self._staged = (version, state)
+            self._slot.retry(version, state)  # unless a newer one came meanwhile
             await asyncio.sleep(RETRY_S)
             assert self._wake is not None
             self._wake.set()
