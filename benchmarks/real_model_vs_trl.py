@@ -3,6 +3,8 @@
     python benchmarks/real_model_vs_trl.py --out /tmp/bench/real_vs_trl.json           # 2 seeds, about an hour
     python benchmarks/real_model_vs_trl.py --seeds 0 --set trainer.steps=2 --set eval.max_samples=8 \\
         --out /tmp/rmvt.json                                                            # quick check
+    python benchmarks/real_model_vs_trl.py --recipe recipes/quickstart.yaml --seeds 0 1 2 3 4 --eval-every 100 \
+        --cores 0-1 --out benchmarks/results/quickstart_vs_trl_5seeds.json              # the quickstart, ~30 min
 
 The recipe (default ``recipes/smollm2-135m.yaml``: SmolLM2-135M-Instruct, LoRA rank 8, conversational rows
 rendered with the chat template, 8 groups x 4 per step, 40 steps) is run by both frameworks with the same
@@ -32,7 +34,10 @@ outlasts the cap by ``--grace-s`` is stopped). Reported, per seed and side:
   ``on_step_end`` callbacks, evaluations left out) and CPU seconds per step: of the whole process tree over
   the whole run (start-up and evaluations included), and of the training window only (sampled with psutil,
   from the clock's start to the last step, evaluations included on both sides);
-* the ratios Miles/TRL, and their mean over seeds.
+* the ratios Miles/TRL, and their mean over seeds with its standard error.
+
+``--cores`` pins both sides to the same cores (TRL then runs one torch thread per core, as torch's default
+would; Miles' processes share them).
 
 A shared machine. Before each side the driver waits (up to ``--quiet-wait-s``) for the 1-minute load average
 to fall below ``--quiet-load``, and it records how many cores other processes kept busy during each side's
@@ -296,8 +301,23 @@ def run_trl(
     return side
 
 
+def parse_cores(text: str) -> set[int]:
+    """``0-3,6`` -> {0, 1, 2, 3, 6} (``ValueError`` naming ``--cores`` otherwise)."""
+    cores: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            cores.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise ValueError(f"--cores {text!r}: expected a list like 0-3 or 0,2") from None
+    if not cores:
+        raise ValueError(f"--cores {text!r}: no core")
+    return cores
+
+
 def mean_over_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The mean over seeds of every ratio and difference that each seed has (with the count)."""
+    """The mean over seeds of every ratio and difference the seeds have, its standard error (None for one seed)
+    and the count."""
     keys: dict[str, list[float]] = {}
     for run in runs:
         comp = run["comparison"]
@@ -308,7 +328,14 @@ def mean_over_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
         for key, value in comp.items():
             if key.endswith("_over_trl") and isinstance(value, int | float):
                 keys.setdefault(key, []).append(value)
-    return {k: {"mean": statistics.fmean(v), "seeds": len(v)} for k, v in keys.items()}
+    return {
+        k: {
+            "mean": statistics.fmean(v),
+            "se": statistics.stdev(v) / len(v) ** 0.5 if len(v) > 1 else None,
+            "seeds": len(v),
+        }
+        for k, v in keys.items()
+    }
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
@@ -369,9 +396,15 @@ def markdown(result: dict[str, Any]) -> str:
             "",
         ]
     if result["mean"]:
-        lines += [f"### mean over {len(result['runs'])} seed(s)", "", "| ratio or difference | mean | seeds |"]
-        lines += ["|---|---|---|"]
-        lines += [f"| {k} | {_fmt(v['mean'])} | {v['seeds']} |" for k, v in result["mean"].items()]
+        lines += [
+            f"### mean over {len(result['runs'])} seed(s)",
+            "",
+            "| ratio or difference | mean | standard error | seeds |",
+        ]
+        lines += ["|---|---|---|---|"]
+        lines += [
+            f"| {k} | {_fmt(v['mean'])} | {_fmt(v.get('se'))} | {v['seeds']} |" for k, v in result["mean"].items()
+        ]
     return "\n".join(lines)
 
 
@@ -385,11 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grace-s", type=float, default=900.0, help="A side still running at cap + this is stopped.")
     p.add_argument("--target", type=float, help="Target held-out accuracy (default: the smaller final accuracy).")
     p.add_argument(
-        "--trl-threads",
-        type=int,
-        default=len(os.sched_getaffinity(0)),
-        help="torch intra-op threads of TRL (default: every core this process may use).",
+        "--cores",
+        help="Pin both sides to these cores, e.g. 0-3 or 0,2 (default: every core this process may use).",
     )
+    p.add_argument("--trl-threads", type=int, help="torch intra-op threads of TRL (default: one per core it has).")
     p.add_argument("--env-threads", type=int, default=1, help="OMP/MKL/OpenBLAS limit in both environments.")
     p.add_argument(
         "--quiet-load",
@@ -403,9 +435,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.recipe, args.overrides)
-    except ConfigError as exc:
+        if args.cores:
+            os.sched_setaffinity(0, parse_cores(args.cores))  # both sides inherit it: the same cores
+    except (ConfigError, ValueError, OSError) as exc:
         print(f"real_model_vs_trl: error: {exc}", file=sys.stderr)
         return 2
+    cores = sorted(os.sched_getaffinity(0))
+    trl_threads = args.trl_threads or len(cores)
 
     from miles.prepare import prepare_model
 
@@ -428,9 +464,7 @@ def main(argv: list[str] | None = None) -> int:
                 sides["miles"] = run_miles(args.recipe, overrides, seed_dir, env, timeout)
             else:
                 timeout = args.max_wall_s + 2 * args.grace_s  # its evaluations are off its clock, not its wall
-                sides["trl"] = run_trl(
-                    args.recipe, overrides, seed_dir, env, args.trl_threads, args.max_wall_s, timeout
-                )
+                sides["trl"] = run_trl(args.recipe, overrides, seed_dir, env, trl_threads, args.max_wall_s, timeout)
             sides[side].update(quiet)
             if sides[side].get("error"):
                 _log(f"{side.upper()} FAILED: {sides[side]['error']}\n{sides[side].get('log_tail', '')}")
@@ -455,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "env_threads": {name: env[name] for name in THREAD_ENV},
-        "trl_threads": args.trl_threads,
+        "cores": cores,
+        "trl_threads": trl_threads,
         "miles_threads": miles_threads(cfg),
         "runs": runs,
         "mean": mean_over_seeds(runs),

@@ -17,7 +17,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from miles.bus.schema import EvalResult, GroupsIssued, StepMetrics
 
@@ -46,7 +46,10 @@ def finite(value: Any) -> Any:
 
 
 def _dumps(data: Any, **kw: Any) -> str:
-    return json.dumps(finite(data), allow_nan=False, **kw)
+    try:
+        return json.dumps(data, allow_nan=False, **kw)
+    except ValueError:  # a non-finite float somewhere (rare): walk the row only then, it is a third of a line's cost
+        return json.dumps(finite(data), allow_nan=False, **kw)
 
 
 def write_json_atomically(path: Path, data: dict[str, Any]) -> None:
@@ -93,6 +96,9 @@ class RunRecord:
         self.last_step: StepMetrics | None = None
         self.rebuilding = False
         self._previous_lines: dict[int, dict[str, Any]] = {}  # step -> its line in the file being rebuilt
+        # One append handle per file (a replay writes a line per group event: opening the file for each was
+        # most of a restart's time), flushed after every live line and once at the end of a rebuild.
+        self._files: dict[Path, TextIO] = {}
         # TensorBoard event files (and W&B, offline unless configured) of the same scalars, to overlay runs.
         self.scalars = RunScalars(run_dir, run_name=run_name or run_dir.name, wandb=wandb, config=config)
 
@@ -108,6 +114,7 @@ class RunRecord:
                     self._previous_lines[int(row["step"])] = row
                 except (ValueError, KeyError, TypeError):
                     continue  # a torn last line of a killed controller: the stream has the step
+        self._close_files()
         for path in (self.metrics_path, self.evals_path, self.ledger_path):
             path.write_text("")
         self.rebuilding = True
@@ -115,12 +122,26 @@ class RunRecord:
     def end_rebuild(self) -> None:
         self.rebuilding = False
         self._previous_lines = {}
+        for f in self._files.values():
+            f.flush()
+
+    def _append(self, path: Path, row: dict[str, Any]) -> None:
+        f = self._files.get(path)
+        if f is None:
+            f = self._files[path] = open(path, "a")  # noqa: SIM115 -- kept open until close()
+        f.write(_dumps(row) + "\n")
+        if not self.rebuilding:
+            f.flush()  # a reader of the run directory sees every live event at once
+
+    def _close_files(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files = {}
 
     def ledger(self, event: str, t: float | None = None, **fields: Any) -> None:
         """One line per group event: issued, trained, dropped, requeued (the accounting trail). ``t``: when the
         event's message was stored (default now)."""
-        with open(self.ledger_path, "a") as f:
-            f.write(_dumps({"event": event, "t": round(time.time() if t is None else t, 3), **fields}) + "\n")
+        self._append(self.ledger_path, {"event": event, "t": round(time.time() if t is None else t, 3), **fields})
 
     def issued(self, msg: GroupsIssued, t: float | None = None) -> None:
         """The ledger lines of an issue record (one per group)."""
@@ -166,8 +187,7 @@ class RunRecord:
             **extra,
             "time": round(t - self.started_at, 3),
         }
-        with open(self.metrics_path, "a") as f:
-            f.write(_dumps(line) + "\n")
+        self._append(self.metrics_path, line)
         if not self.rebuilding:
             self.scalars.step(line, msg.step)
 
@@ -189,13 +209,13 @@ class RunRecord:
             "length_mean": self.eval_lengths[step],
             "time": round(t - self.started_at, 3),
         }
-        with open(self.evals_path, "a") as f:
-            f.write(_dumps(line) + "\n")
+        self._append(self.evals_path, line)
         if not self.rebuilding:
             self.scalars.eval(msg.accuracy, step)
 
     def close(self) -> None:
-        """Flush and close the TensorBoard / W&B writers."""
+        """Close the record's files and the TensorBoard / W&B writers (idempotent)."""
+        self._close_files()
         self.scalars.close()
 
     def write_summary(self, **fields: Any) -> dict[str, Any]:

@@ -38,3 +38,32 @@ async def test_idle_is_set_only_while_the_reader_waits_for_news(nc: Client) -> N
     done.set()
     await asyncio.wait_for(reader, 5)
     assert not idle.is_set()
+
+
+async def test_a_replay_reads_in_batches_and_returns_what_single_reads_return(nc: Client) -> None:
+    """stored_messages reads ``BATCH`` messages per request (one request per batch, not per message) and yields
+    exactly what one direct get per message yields: every message on the filtered subject, in order, after
+    ``after_seq``, with its subject, sequence, time and headers."""
+    from miles.bus.follow import BATCH, next_message, next_messages, stored_messages
+
+    js = nc.jetstream()
+    await js.add_stream(StreamConfig(name="REPLAY", subjects=["replay.>"], allow_direct=True))
+    for i in range(2 * BATCH + 7):
+        await js.publish(f"replay.{'a' if i % 3 else 'b'}", str(i).encode(), headers={"n": str(i)})
+
+    async def one_by_one(subject: str, after: int) -> list[tuple[str, int, bytes | None, str]]:
+        out, seq = [], after
+        while (msg := await next_message(js, "REPLAY", subject, seq)) is not None:
+            out.append((msg.subject, msg.seq, msg.data, (msg.headers or {})["n"]))
+            seq = msg.seq or seq + 1
+        return out
+
+    for subject, after in (("replay.>", 0), ("replay.a", 0), ("replay.b", 100), ("replay.a", 10_000)):
+        batched = [
+            (m.subject, m.seq, m.data, (m.headers or {})["n"])
+            async for m in stored_messages(js, "REPLAY", subject, after)
+        ]
+        assert batched == await one_by_one(subject, after), (subject, after)
+    first = await next_messages(js, "REPLAY", "replay.>", 0)
+    assert [m.seq for m in first] == list(range(1, BATCH + 1)) and first[0].time is not None
+    assert await next_messages(js, "REPLAY", "replay.>", 2 * BATCH + 7) == []
