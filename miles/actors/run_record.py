@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from miles.bus.schema import EvalResult, GroupsIssued, StepMetrics
+from miles.training.lineage import IndexSet
 
 # Step metrics that are not per-step means of their own but counts summed into summary.json.
 EPISODE_SUMS = (
@@ -61,6 +62,24 @@ def write_json_atomically(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+class StalenessTotals:
+    """Sum, count and maximum of the trained groups' staleness (what summary.json reports of them)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.count = 0
+        self.max = 0
+
+    def add(self, lags: list[int]) -> None:
+        self.total += sum(lags)
+        self.count += len(lags)
+        self.max = max(self.max, *lags) if lags else self.max
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+
 class RunRecord:
     """Appends step metrics, evaluations and ledger lines; writes the summary at the end."""
 
@@ -82,7 +101,7 @@ class RunRecord:
         self.evals: dict[int, float] = {}  # steps trained into the evaluated version -> accuracy
         self.eval_lengths: dict[int, float] = {}  # ... -> mean completion tokens (under eval.max_new_tokens)
         self.eval_versions: dict[int, int] = {}  # requested version -> step
-        self.staleness: list[int] = []
+        self.staleness = StalenessTotals()  # over every trained group: bounded for any run length
         self.groups_trained = 0
         self.samples_trained = 0
         self.dropped = 0
@@ -90,7 +109,7 @@ class RunRecord:
         self.discard_reasons: dict[str, int] = {}
         self.discarded_tokens: dict[str, int] = {}  # reason -> sampled tokens of the groups discarded for it
         self.episode_sums: dict[str, float] = {}
-        self.steps_seen: set[int] = set()
+        self.steps_seen = IndexSet()  # steps recorded: a floor and the few above it, bounded for any run length
         self.steps_replayed = 0
         self.groups_issued = 0
         self.last_step: StepMetrics | None = None
@@ -168,7 +187,7 @@ class RunRecord:
         extra = {k: previous.get(k, v) for k, v in extra.items()} if self.rebuilding else extra
         self.steps_seen.add(msg.step)
         self.last_step = msg
-        self.staleness.extend(msg.staleness)
+        self.staleness.add(msg.staleness)
         self.groups_trained += len(msg.trained_group_ids)
         self.samples_trained += int(msg.metrics.get("samples", 0))
         for key in EPISODE_SUMS:
@@ -231,8 +250,8 @@ class RunRecord:
             "eval_length_before": self.eval_lengths.get(0),
             "eval_length_after": self.eval_lengths[steps[-1]] if steps else None,
             "wall_s": round(time.time() - self.started_at, 2),
-            "staleness_mean": sum(self.staleness) / len(self.staleness) if self.staleness else 0.0,
-            "staleness_max": max(self.staleness, default=0),
+            "staleness_mean": self.staleness.mean,
+            "staleness_max": self.staleness.max,
             "trajectories_trained": self.groups_trained,
             "samples_trained": self.samples_trained,
             "trajectories_dropped": self.dropped + self.requeued,

@@ -38,3 +38,20 @@ def test_async_vs_sync_runs_both_tasks_and_reports_ratios(tmp_path: Path) -> Non
     assert runs["long-tailed-eta1"]["samples_per_s_vs_eta0"] > 0
     assert result["tasks"]["long-tailed"]["budget"]["groups_in_flight"] == 4
     assert "| long-tailed | 1 |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_controller_restart_rebuilds_a_synthetic_run_exactly(tmp_path: Path) -> None:
+    """The restart benchmark fills real streams and runs the controller's real rebuild, which it checks itself
+    (nothing refused, every group accounted for): a small run must pass those checks."""
+    out = tmp_path / "restart.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/controller_restart.py", "--steps", "30", "--repeats", "1", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["steps"] == 30 and row["messages"] == 1 + 3 * 30 + 3 and row["record_bytes_rewritten"] > 0

@@ -43,3 +43,15 @@ def test_live_lines_are_readable_at_once_and_a_rebuild_writes_each_once(tmp_path
     assert len(_lines(again.ledger_path)) == 6
     again.close()
     again.close()
+
+
+def test_the_summary_totals_stay_bounded_and_exact(tmp_path: Path) -> None:
+    """Staleness and the steps seen are kept as totals and an index set, not one entry per group or step."""
+    record = RunRecord(tmp_path)
+    for step in range(50):
+        record.step(_step(step), t=float(step))
+    summary = record.write_summary()
+    assert summary["staleness_mean"] == 0.5 and summary["staleness_max"] == 1
+    assert summary["trajectories_trained"] == 100 and len(record.steps_seen) == 50
+    assert record.steps_seen.floor == 50 and not record.steps_seen.above  # one integer for 50 steps
+    record.close()
