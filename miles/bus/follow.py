@@ -97,25 +97,12 @@ async def next_messages(
                 return out
             if status is not None:
                 raise BusError(f"stream {stream}: direct get answered {status} {headers.get('Description', '')}")
-            out.append(_raw_message(reply))
+            out.append(js._lift_msg_to_raw_msg(reply))  # as nats-py's own direct get returns it
             if "Nats-Num-Pending" not in headers:  # a server that does not batch: one message, no end marker
                 return out
     finally:
         with contextlib.suppress(Exception):
             await replies.unsubscribe()
-
-
-def _raw_message(reply: Msg) -> RawStreamMsg:
-    """A direct get's reply as the :class:`RawStreamMsg` nats-py's own direct get returns."""
-    headers = reply.headers or {}
-    raw = RawStreamMsg()
-    raw.subject = headers["Nats-Subject"]
-    raw.seq = int(headers["Nats-Sequence"])
-    raw.data = reply.data
-    raw.headers = headers
-    if stamp := headers.get("Nats-Time-Stamp"):
-        raw.time = RawStreamMsg._parse_utc_iso(stamp)
-    return raw
 
 
 async def message_at(js: JetStreamContext, stream: str, seq: int) -> RawStreamMsg:

@@ -245,7 +245,7 @@ class SglangStagingEngine:
                     return
                 version, tensors = staged
                 if version <= self.engine.version:  # e.g. load_weights jumped past it meanwhile
-                    self._slot.loading = None
+                    self._slot.done()
                     continue
             try:
                 self._load(version, tensors)

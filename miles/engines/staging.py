@@ -67,7 +67,7 @@ class StagedSlot:
     def offer(self, version: int, tensors: dict[str, torch.Tensor], running: int) -> bool:
         """Stage ``tensors`` as ``version`` if newer than ``running`` (the engine's version) and the slot's."""
         with self.cond:
-            if version <= max(running, self.newest()):
+            if version <= max(running, self._newest()):
                 return False
             self.staged = (version, tensors)
             self.cond.notify_all()
@@ -99,8 +99,8 @@ class StagedSlot:
         with self.cond:
             return self.staged[0] if self.staged is not None else self.loading
 
-    def newest(self) -> int:
-        """The newest version staged or loading, -1 if none (call with ``cond`` held, or accept a race)."""
+    def _newest(self) -> int:
+        """The newest version staged or loading, -1 if none (``cond`` held)."""
         return max(-1 if self.staged is None else self.staged[0], -1 if self.loading is None else self.loading)
 
     def clear(self) -> None:
