@@ -530,9 +530,10 @@ def main() -> int:
     batches = pack(gens, seqs_per_row=2, rows=4, pad=tokenizer.pad_token_id, seed=0)
     report.phase("engine", generations=len(gens), micro_batches=len(batches))
 
-    from miles.backends.distributed import find_free_port, init_distributed
+    from miles.backends.distributed import init_distributed
+    from miles.ports import free_port
 
-    init_distributed(0, 1, "127.0.0.1", find_free_port(), device=args.device)
+    init_distributed(0, 1, "127.0.0.1", free_port(), device=args.device)
     shims = None
     if args.device == "cpu":
         from megatron.core import parallel_state as ps

@@ -38,11 +38,11 @@ from typing import Any
 
 import structlog
 
-from miles.bus.cluster import free_port
 from miles.bus.connect import connect
 from miles.bus.server import DEFAULT_MAX_PAYLOAD, EmbeddedNats
 from miles.bus.streams import ensure_run_streams
 from miles.bus.subjects import Subjects
+from miles.ports import free_port
 from miles.sync.transport.dataplane import CHUNK_HEADROOM, WeightStore
 
 RUN = "bench"

@@ -157,10 +157,11 @@ async def _publish(cfg: Any, ranks: Any, out: Path) -> None:
 
 
 def run(size: str, mode: str) -> list[dict[str, Any]]:
-    from miles.backends.distributed import find_free_port, spawn_ranks
+    from miles.backends.distributed import spawn_ranks
+    from miles.ports import free_port
 
     with tempfile.TemporaryDirectory(prefix="sync_memory-") as tmp:
-        spawn_ranks(_rank_main, 2, 2, find_free_port(), size, mode, tmp)
+        spawn_ranks(_rank_main, 2, 2, free_port(), size, mode, tmp)
         return [json.loads((Path(tmp) / f"row-{r}.json").read_text()) for r in range(2)]
 
 

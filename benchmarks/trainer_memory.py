@@ -317,13 +317,13 @@ def main() -> None:
 
     import torch.multiprocessing as mp
 
-    from miles.backends.distributed import find_free_port
     from miles.bus.server import EmbeddedNats
+    from miles.ports import free_port
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="trainer-memory-") as workdir:
         with EmbeddedNats(Path(workdir) / "bus") as server:
-            mp.spawn(rank_main, args=(find_free_port(), server.url, workdir, args), nprocs=2, join=True)
+            mp.spawn(rank_main, args=(free_port(), server.url, workdir, args), nprocs=2, join=True)
         ranks = [json.loads(Path(workdir, f"rank{r}.json").read_text()) for r in range(2)]
     result = summarize(ranks, args, time.perf_counter() - started)
     print(f"model: {result['model']['params'] / 1e6:.1f}M parameters, 2 gloo ranks, {result['wall_s']:.0f} s")

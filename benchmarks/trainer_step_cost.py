@@ -83,10 +83,11 @@ def child(mode: str, recipe: str, overrides: list[str], steps: int, warmup: int,
     """One set-up in a fresh process: time the parts of ``steps`` RL steps; put the figures on ``queue``."""
     import torch
 
-    from miles.backends.distributed import find_free_port, init_distributed
+    from miles.backends.distributed import init_distributed
     from miles.backends.fsdp import FsdpBackend
     from miles.config import load_config
     from miles.models.loading import load_policy, prepared_model_dir
+    from miles.ports import free_port
     from miles.tasks.registry import build_task
     from miles.training.step import RLStep
 
@@ -97,7 +98,7 @@ def child(mode: str, recipe: str, overrides: list[str], steps: int, warmup: int,
     if threads is not None:
         torch.set_num_threads(threads)
     if mode == "fsdp_1rank":
-        init_distributed(0, 1, "127.0.0.1", find_free_port(), device=cfg.trainer.backend.device)
+        init_distributed(0, 1, "127.0.0.1", free_port(), device=cfg.trainer.backend.device)
     torch.manual_seed(cfg.trainer.seed)
     model, tokenizer = load_policy(prepared_model_dir(cfg.model, cfg.task), "float32", cfg.trainer.backend.device)
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0)

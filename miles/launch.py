@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import structlog
 
 from miles.child_process import die_with_parent
 from miles.config import RunConfig, dump_config
+from miles.ports import free_port
 
 if TYPE_CHECKING:
     from miles.progress import ProgressView
@@ -36,12 +36,6 @@ class Child:
     name: str
     proc: subprocess.Popen
     log_path: Path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def node_command(role: str, config_path: Path, run_dir: Path, nats_url: str, *extra: str) -> list[str]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,13 +39,6 @@ class DistInfo:
 def backend_for_device(device: str) -> str:
     """The collective backend for a device string: NCCL for CUDA, gloo for everything else."""
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
-
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (for single-host rendezvous in tests and local runs)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def init_distributed(

@@ -44,13 +44,14 @@ def _fsdp(cfg: RunConfig, rank: int, world_size: int, master_addr: str, master_p
     Checkpoints are the same DCP format either way, and load onto any rank count."""
     import torch
 
-    from miles.backends.distributed import find_free_port, init_distributed
+    from miles.backends.distributed import init_distributed
     from miles.backends.fsdp import FsdpBackend
     from miles.models.loading import load_policy, prepared_model_dir
+    from miles.ports import free_port
 
     backend_cfg = cfg.trainer.backend
     if world_size > 1 or backend_cfg.param_dtype != "float32":
-        port = master_port if world_size > 1 else find_free_port()  # one rank: no rendezvous to agree on
+        port = master_port if world_size > 1 else free_port()  # one rank: no rendezvous to agree on
         host = master_addr if world_size > 1 else "127.0.0.1"
         init_distributed(rank, world_size, host, port, device=backend_cfg.device)
     torch.manual_seed(cfg.trainer.seed)

@@ -12,17 +12,11 @@ the ports differ.
 
 from __future__ import annotations
 
-import socket
 import threading
 from pathlib import Path
 
 from miles.bus.server import DEFAULT_MAX_PAYLOAD, EmbeddedNats
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from miles.ports import free_port
 
 
 def cluster_block(name: str, listen_port: int, route_ports: list[int], host: str = "127.0.0.1") -> str:

@@ -15,9 +15,20 @@ from typing import Any, TypeVar
 import yaml
 
 from miles.config import RunConfig, dump_config, load_config
-from miles.launch import free_port, node_command
+from miles.failpoints import ENV as FAILPOINTS_ENV
+from miles.launch import node_command
+from miles.ports import free_port
 
 M = TypeVar("M")
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of a live process (``R``, ``S``, ``T`` for stopped, ``Z``...), from /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return "X"  # gone (reaped)
+    return stat[stat.rindex(")") + 2]  # the name in parentheses may hold spaces or parentheses itself
 
 
 def small_run_config(model_cache: Path, name: str, **overrides: Any) -> RunConfig:
@@ -63,18 +74,24 @@ class Cluster:
         self.config_path.write_text(dump_config(self.cfg))
         self.master_port = free_port()
 
-    def start(self, name: str, role: str, *extra: str, nats_url: str | None = None) -> subprocess.Popen:
-        """``nats_url``: another server than the run's (e.g. a remote fleet's leaf node)."""
+    def start(
+        self, name: str, role: str, *extra: str, nats_url: str | None = None, failpoints: str | None = None
+    ) -> subprocess.Popen:
+        """``nats_url``: another server than the run's (e.g. a remote fleet's leaf node); ``failpoints``: the
+        process' ``MILES_FAILPOINTS`` (miles/failpoints.py)."""
         log = open(self.run_dir / f"{name}.log", "ab")
         url = nats_url or self.nats_url
         cmd = node_command(role, self.config_path, self.run_dir, url, "--actor-id", name, *extra)
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env.pop(FAILPOINTS_ENV, None)
+        if failpoints:
+            env[FAILPOINTS_ENV] = failpoints
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         self.procs[name] = proc
         return proc
 
-    def start_trainer(self, ranks: int = 1, suffix: str = "") -> None:
+    def start_trainer(self, ranks: int = 1, suffix: str = "", failpoints: str | None = None) -> None:
         for rank in range(ranks):
             self.start(
                 f"trainer{suffix}-{rank}",
@@ -85,6 +102,7 @@ class Cluster:
                 str(ranks),
                 "--master-port",
                 str(self.master_port),
+                failpoints=failpoints,
             )
 
     def start_all(self, rollouts: int = 2, ranks: int = 1) -> None:
@@ -96,6 +114,14 @@ class Cluster:
     def kill(self, name: str) -> None:
         self.procs[name].send_signal(signal.SIGKILL)
         self.procs[name].wait(timeout=30)
+
+    def wait_stopped(self, name: str, timeout_s: float, what: str) -> None:
+        """Wait until ``name`` is frozen by SIGSTOP (a ``stop`` failpoint): the state, not a moment, to act in."""
+        self.wait_for(lambda: process_state(self.procs[name].pid) == "T", timeout_s, what, poll_s=0.02)
+        assert self.procs[name].poll() is None, f"{name} exited instead of stopping at {what}"
+
+    def resume(self, name: str) -> None:
+        self.procs[name].send_signal(signal.SIGCONT)
 
     def log(self, name: str) -> str:
         return (self.run_dir / f"{name}.log").read_text(errors="replace")

@@ -26,10 +26,11 @@ from pathlib import Path
 
 import pytest
 
-from miles.bus.cluster import NatsCluster, free_port
+from miles.bus.cluster import NatsCluster
 from miles.bus.server import EmbeddedNats
 from miles.bus.setup import setup_run
 from miles.config import RunConfig
+from miles.ports import free_port
 from miles.prepare import prepare
 from miles.security.bundle import server_config, write_bundle
 from miles.security.fleet import leaf_config_for

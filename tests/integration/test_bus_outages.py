@@ -10,19 +10,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from miles.bus.cluster import NatsCluster, free_port
+from miles.bus.cluster import NatsCluster
 from miles.bus.retry import Outage, resilient_jetstream
 from miles.bus.server import EmbeddedNats
 from miles.bus.streams import ensure_run_streams
 from miles.bus.subjects import Subjects
+from miles.ports import free_port
 from miles.prepare import prepare
 from tests.integration.harness import Cluster, check_stream_accounting, read_stream_record, small_run_config
 
@@ -55,36 +54,47 @@ def _finish(cluster: Cluster, url: str, killed: tuple[str, ...] = (), timeout_s:
     check_stream_accounting(cluster, record)
 
 
-def _kill_mid_run(cluster: Cluster, server: EmbeddedNats, after_steps: int, outage_s: float) -> int:
-    """SIGKILL the server as soon as ``after_steps`` steps are in metrics.jsonl (a tiny run's step takes ~50 ms on
-    a quiet machine: looked at every 20 ms), keep it down ``outage_s`` seconds, restart it. The run must still
-    be going when the server dies, or the outage tests nothing. Returns the steps recorded at the kill."""
-    cluster.wait_for(lambda: cluster.steps_recorded() >= after_steps, 240, f"{after_steps} steps", poll_s=0.02)
-    server.kill()
-    recorded = cluster.steps_recorded()
-    assert recorded < cluster.cfg.trainer.steps and not (cluster.run_dir / "summary.json").exists(), (
-        f"the run ended before the outage ({recorded} steps recorded): it must straddle it"
-    )
-    time.sleep(outage_s)
+FREEZE_EVERY = "between_steps:{n}:stop"  # the trainer freezes itself before every n-th step (miles/failpoints.py)
+
+
+@contextlib.contextmanager
+def trainer_frozen(cluster: Cluster, what: str) -> Iterator[int]:
+    """Wait for the trainer to freeze itself between two steps, hold it while ``what`` happens, then let it go
+    on. The run is mid-way by construction (no race against a tiny run's ~50 ms steps): yields the steps
+    recorded so far, which must be fewer than the run's."""
+    cluster.wait_stopped("trainer-0", 240, what)
+    try:
+        recorded = cluster.steps_recorded()
+        assert recorded < cluster.cfg.trainer.steps and not (cluster.run_dir / "summary.json").exists()
+        yield recorded
+    finally:
+        cluster.resume("trainer-0")
+
+
+def _kill_mid_run(cluster: Cluster, server: EmbeddedNats, outage_s: float) -> None:
+    """SIGKILL the server while the trainer is frozen between two steps, let the trainer go on into the outage
+    (every actor must ride it out while working), keep the server down ``outage_s`` seconds, restart it."""
+    with trainer_frozen(cluster, "an outage"):
+        server.kill()
+    time.sleep(outage_s)  # the outage's length is the thing under test, not a wait for a state
     server.start_sync()
-    return recorded
 
 
 def test_the_only_server_killed_and_restarted_twice(tmp_path: Path, model_cache: Path) -> None:
-    """Outages of 2 s and 15 s, each triggered by the run's progress (steps recorded), not by the clock, and
-    checked to fall inside the run: every actor reconnects twice, waits (retries within bus.outage_budget_s)
-    and the run completes with its accounting right."""
+    """Outages of 2 s and 15 s, each begun while the trainer is frozen before its 5th and 10th steps of 14, so
+    both fall inside the run: every actor reconnects twice, waits (retries within bus.outage_budget_s) and the
+    run completes with its accounting right."""
     server = EmbeddedNats(tmp_path / "bus", port=free_port())
     server.start_sync()
-    # 14 steps: the second outage comes at step 7 (10 at most), four or more steps before the end.
     cfg = _run("outage", model_cache, **{"trainer.steps": 14, "eval.every": 7})
     cluster = Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=server.url)
     try:
-        cluster.start_all()
-        recorded = _kill_mid_run(cluster, server, after_steps=2, outage_s=2.0)
-        # The second outage comes once the run has moved on two steps. (A second kill about 1 s after a restart
-        # twice left the controller waiting for good in an earlier version: see docs/deploy.md.)
-        _kill_mid_run(cluster, server, after_steps=min(max(7, recorded + 2), cfg.trainer.steps - 4), outage_s=15.0)
+        cluster.start("controller", "controller")
+        cluster.start("rollout-0", "rollout")
+        cluster.start("rollout-1", "rollout")
+        cluster.start_trainer(failpoints=FREEZE_EVERY.format(n=5))  # frozen at arrivals 5 and 10 of 14
+        _kill_mid_run(cluster, server, outage_s=2.0)
+        _kill_mid_run(cluster, server, outage_s=15.0)
         _finish(cluster, server.url)
     finally:
         cluster.stop()
@@ -104,47 +114,28 @@ def _nothing_refused(cluster: Cluster) -> None:
 
 def test_a_cluster_node_lost_twice(tmp_path: Path, model_cache: Path) -> None:
     """A fresh 3-node cluster with R3 streams, every actor started at once (each creates the streams on an
-    open bus); first a node no actor is connected to is killed, then the one most actors use, each at a step
-    of the run (looked at every 20 ms: a step can take ~50 ms) and checked to fall inside it. Each comes back
-    after a while (one node at a time: the streams keep their quorum)."""
+    open bus); first a node no actor is connected to is killed, then the one most actors use. The trainer
+    freezes itself before every third of its 12 steps, and each loss and return happens while it is frozen,
+    so each falls inside the run with steps on either side of it (one node down at a time: the streams keep
+    their quorum)."""
     nats = NatsCluster(tmp_path / "cluster").start()
     cfg = _run("nodes", model_cache, **{"bus.replicas": 3, "trainer.steps": 12, "eval.every": 6})
     # Actors are given nodes 0 and 1: node 2 is one they do not use (they learn of it, but stay put).
     cluster = Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=f"{nats.node_url(0)},{nats.node_url(1)}")
-    trainer_held = 0  # steps the run had when the trainer was last held
-
-    def at_step(n: int, what: str) -> None:
-        cluster.wait_for(lambda: cluster.steps_recorded() >= n, 240, what, poll_s=0.02)
-
-    @contextlib.contextmanager
-    def run_held(what: str) -> Iterator[None]:
-        """The trainer stopped (SIGSTOP), so the run, checked to be going, cannot end while ``what`` happens:
-        once a node is back, a tiny run's remaining steps can all pass before the test looks again (CI saw all
-        twelve done before "a step with node 2 back" could be seen)."""
-        nonlocal trainer_held
-        trainer = cluster.procs["trainer-0"]
-        trainer.send_signal(signal.SIGSTOP)
-        try:
-            trainer_held = cluster.steps_recorded()
-            assert trainer_held < cfg.trainer.steps, f"the run ended before {what}: it must straddle it"
-            yield
-        finally:
-            trainer.send_signal(signal.SIGCONT)
-
     try:
-        cluster.start_all()
-        at_step(2, "2 steps")
-        with run_held("node 2 was lost"):
+        cluster.start("controller", "controller")
+        cluster.start("rollout-0", "rollout")
+        cluster.start("rollout-1", "rollout")
+        cluster.start_trainer(failpoints=FREEZE_EVERY.format(n=3))  # frozen at arrivals 3, 6, 9 and 12
+        with trainer_frozen(cluster, "node 2 lost"):
             nats.kill(2)
-        at_step(trainer_held + 1, "a step without node 2")
-        with run_held("node 2 came back"):  # caught up (its /healthz): under load that takes a while
+        with trainer_frozen(cluster, "node 2 back"):  # caught up (its /healthz): under load that takes a while
             nats.restart(2)
-        at_step(trainer_held + 1, "a step with node 2 back")
-        with run_held("the used node was lost"):
+        with trainer_frozen(cluster, "the used node lost"):
             used = max((0, 1), key=lambda i: nats.nodes[i].varz().get("connections", 0))
             nats.kill(used)
-        at_step(trainer_held + 2, f"2 steps without node {used}")
-        nats.restart(used)
+        with trainer_frozen(cluster, f"node {used} back"):
+            nats.restart(used)
         _finish(cluster, nats.url)
     finally:
         cluster.stop()
@@ -186,11 +177,7 @@ def test_the_controller_killed_three_times(tmp_path: Path, model_cache: Path) ->
     cfg = _run("ctlkill", model_cache, **{"trainer.steps": 10, "eval.every": 3})
     cluster = Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=server.url)
     try:
-        os.environ["MILES_FAILPOINTS"] = "issue:7"  # the 7th prompt of the first batch of 8
-        try:
-            cluster.start("controller", "controller")
-        finally:
-            os.environ.pop("MILES_FAILPOINTS", None)
+        cluster.start("controller", "controller", failpoints="issue:7")  # the 7th prompt of the first batch of 8
         cluster.start("rollout-0", "rollout")
         cluster.start("rollout-1", "rollout")
         cluster.start_trainer()

@@ -14,10 +14,10 @@ from pathlib import Path
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
-from miles.bus.cluster import free_port
 from miles.bus.connect import close_client, connect
 from miles.bus.retry import Outage, request_across_reconnects
 from miles.bus.server import EmbeddedNats
+from miles.ports import free_port
 
 HOUR_S = 3600.0
 

@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from miles.backends.distributed import distributed, find_free_port, spawn_ranks
+from miles.backends.distributed import distributed, spawn_ranks
 from miles.backends.fsdp_checkpoint import load_sharded, save_sharded, saved_keys
 from miles.config import LoraConfig
+from miles.ports import free_port
 from miles.sync.lora import add_adapters
 from miles.training.checkpoint import CheckpointManager
 
@@ -172,7 +173,7 @@ def _two_rank_main(rank: int, world_size: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("dcp2")
-    spawn_ranks(_two_rank_main, 2, 2, find_free_port(), str(out))
+    spawn_ranks(_two_rank_main, 2, 2, free_port(), str(out))
     results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert all(results[0][k] == results[1][k] for k in ("full", "async", "lora"))  # global means
     return out, results[0]
@@ -244,7 +245,7 @@ def test_one_rank_checkpoint_loads_on_two_ranks(tmp_path: Path) -> None:
     train_step(model, opt, 1)
     save_sharded(model, opt, tmp_path / "one")
     expected = continuation(model, opt)
-    spawn_ranks(_load_two_rank_main, 2, 2, find_free_port(), str(tmp_path / "one"), str(tmp_path))
+    spawn_ranks(_load_two_rank_main, 2, 2, free_port(), str(tmp_path / "one"), str(tmp_path))
     for rank in range(2):
         got = torch.load(tmp_path / f"load{rank}.pt")
         assert got["next"] == pytest.approx(expected["next"], rel=RTOL)

@@ -12,9 +12,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from miles.backends.base import TrainSample
-from miles.backends.distributed import distributed, find_free_port, spawn_ranks
+from miles.backends.distributed import distributed, spawn_ranks
 from miles.backends.fsdp import FsdpBackend
 from miles.config import AlgoConfig, FsdpBackendConfig, LoraConfig, TrainerConfig
+from miles.ports import free_port
 from miles.training.packing import pack_micro_batches
 from miles.training.step import RLStep, plan_batch
 
@@ -450,7 +451,7 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out_dir = tmp_path_factory.mktemp("fsdp2")
-    spawn_ranks(_rank_main, 2, 2, find_free_port(), str(out_dir))
+    spawn_ranks(_rank_main, 2, 2, free_port(), str(out_dir))
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from miles.backends.distributed import distributed, find_free_port, spawn_ranks
+from miles.backends.distributed import distributed, spawn_ranks
 from miles.backends.fsdp_export import export_specs, iter_full_params
 from miles.bus.server import EmbeddedNats
+from miles.ports import free_port
 from miles.sync.delta import apply_state_delta, framed_record, state_delta_header
 from miles.sync.owned_delta import OwnedBase, OwnedPlan, assign_owners, owned_export
 from miles.sync.precision import to_rollout_state
@@ -87,7 +88,7 @@ def _main(rank: int, world_size: int, port: int, out: str, precision: str) -> No
 
 @pytest.mark.parametrize("precision", ["bfloat16", "fp8_e4m3"])
 def test_two_ranks_each_keep_their_share_and_the_records_rebuild_the_state(tmp_path: Path, precision: str) -> None:
-    spawn_ranks(_main, 2, 2, find_free_port(), str(tmp_path), precision)
+    spawn_ranks(_main, 2, 2, free_port(), str(tmp_path), precision)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     zero = ranks[0]
     names = set(zero["versions"][0])

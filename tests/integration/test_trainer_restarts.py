@@ -11,7 +11,6 @@ no group is trained twice.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 from pathlib import Path
@@ -26,12 +25,7 @@ FAILPOINTS = ["train", "export:2", "announced", "checkpoint", "between_steps:3",
 
 
 def _start_trainer(cluster: Cluster, attempt: int, failpoint: str | None) -> None:
-    if failpoint:
-        os.environ["MILES_FAILPOINTS"] = failpoint
-    try:
-        cluster.start_trainer(suffix=f"-{attempt}")
-    finally:
-        os.environ.pop("MILES_FAILPOINTS", None)
+    cluster.start_trainer(suffix=f"-{attempt}", failpoints=failpoint)
 
 
 def _surviving_chain(announcements: list[WeightsAnnounced]) -> list[WeightsAnnounced]:

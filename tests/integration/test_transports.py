@@ -17,8 +17,8 @@ import pytest
 import torch
 from nats.aio.client import Client
 
-from miles.backends.distributed import find_free_port
 from miles.bus.errors import BusError, ChecksumMismatch, PayloadMissing
+from miles.ports import free_port
 from miles.sync.checksum import digest
 from miles.sync.payload import serialize_state
 from miles.sync.precision import state_digest, to_rollout_state
@@ -167,7 +167,7 @@ async def _form_group(world_size: int, port: int, timeout_s: float = 30.0) -> li
 
 
 async def test_broadcast_transport_delivers_verified_payloads() -> None:
-    sender_group, *receiver_groups = await _form_group(3, find_free_port())
+    sender_group, *receiver_groups = await _form_group(3, free_port())
     sender = BroadcastTransport(sender_group, bucket_bytes=1000)
     receivers = [await BroadcastReceiver(g).start() for g in receiver_groups]
     try:
@@ -221,7 +221,7 @@ def _dying_receiver(port: int, world_size: int, rank: int, inbox: Any, out: Any)
 
 
 async def test_member_death_breaks_the_group_and_falls_back_to_the_bus(nc: Client) -> None:
-    port = find_free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     inbox, queue = ctx.Queue(), ctx.Queue()
     child = ctx.Process(target=_dying_receiver, args=(port, 3, 2, inbox, queue))
@@ -338,7 +338,7 @@ async def test_sglang_distributed_update_contract(fake_sglang: str) -> None:
     import urllib.request
 
     sync = SglangDistributedSync(
-        [fake_sglang], master_addr="127.0.0.1", master_port=find_free_port(), backend="gloo", bucket_bytes=9000
+        [fake_sglang], master_addr="127.0.0.1", master_port=free_port(), backend="gloo", bucket_bytes=9000
     )
     await asyncio.to_thread(sync.connect)
     s = state()
@@ -391,7 +391,7 @@ async def test_sglang_refusal_surfaces() -> None:
         sync = SglangDistributedSync(
             [f"http://127.0.0.1:{server.server_address[1]}"],
             master_addr="127.0.0.1",
-            master_port=find_free_port(),
+            master_port=free_port(),
             backend="gloo",
             timeout_s=3,
         )

@@ -10,11 +10,12 @@ import torch
 from nats.aio.client import Client
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from miles.backends.distributed import distributed, find_free_port, spawn_ranks
+from miles.backends.distributed import distributed, spawn_ranks
 from miles.backends.fsdp_export import export_specs, iter_full_params
 from miles.bus.connect import connect
 from miles.bus.errors import PayloadMissing
 from miles.config import LoraConfig
+from miles.ports import free_port
 from miles.sync.lora import add_adapters, lora_scale, merged_state, split_peft_state
 from miles.sync.precision import state_digest, to_rollout_state
 from miles.sync.stream_export import PayloadLayout, drain
@@ -104,7 +105,7 @@ def expected_state(kind: str, adapter_only: bool) -> dict[str, torch.Tensor]:
 
 
 async def test_two_rank_streamed_export_reads_back_as_the_whole_state(nc: Client, nats_server: str) -> None:
-    await asyncio.to_thread(spawn_ranks, _rank_main, 2, find_free_port(), nats_server)
+    await asyncio.to_thread(spawn_ranks, _rank_main, 2, free_port(), nats_server)
     store = await WeightStore.create(nc.jetstream(), "t", keep_versions=10)
     for version, precision, kind, adapter_only in CASES:
         expected = to_rollout_state(expected_state(kind, adapter_only), precision)

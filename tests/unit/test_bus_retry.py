@@ -10,11 +10,11 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from miles.bus import retry
-from miles.bus.cluster import free_port
 from miles.bus.connect import close_client, connect
 from miles.bus.errors import BusUnavailable
 from miles.bus.retry import Outage, is_transient, resilient_jetstream, retrying
 from miles.bus.server import EmbeddedNats
+from miles.ports import free_port
 
 
 async def connected_server(tmp_path: Path, name: str, budget_s: float) -> tuple[EmbeddedNats, Outage, Client]:

@@ -1,6 +1,5 @@
 """Several server URLs wherever a URL is taken: checked when given, tried in turn when connecting."""
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,12 +10,7 @@ from miles.bus.connect import connect
 from miles.bus.errors import BusError
 from miles.bus.urls import split_urls
 from miles.config import ConfigError, load_config
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])  # nothing listens there once the block ends
+from miles.ports import free_port  # nothing listens there
 
 
 def test_split_urls_takes_a_cluster_list() -> None:
@@ -44,7 +38,7 @@ def test_miles_node_refuses_a_bad_url_with_exit_2(tmp_path: Path) -> None:
 
 
 def test_miles_node_takes_bus_nats_url_when_no_flag_is_given(tmp_path: Path) -> None:
-    url = f"nats://127.0.0.1:{_closed_port()}"
+    url = f"nats://127.0.0.1:{free_port()}"
     proc = subprocess.run(
         [
             sys.executable,
@@ -67,7 +61,7 @@ def test_miles_node_takes_bus_nats_url_when_no_flag_is_given(tmp_path: Path) -> 
 
 
 async def test_connect_skips_a_node_that_is_down(nats_server: str) -> None:
-    nc = await connect(f"nats://127.0.0.1:{_closed_port()},{nats_server}", name="two-urls")
+    nc = await connect(f"nats://127.0.0.1:{free_port()},{nats_server}", name="two-urls")
     try:
         assert nc.is_connected and nc.connected_url is not None
         assert f"{nc.connected_url.hostname}:{nc.connected_url.port}" in nats_server

@@ -1,17 +1,12 @@
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])  # closed again when the block ends: nothing listens there
+from miles.ports import free_port  # nothing listens there
 
 
 def test_unreachable_nats_is_one_line_and_exit_1(tmp_path: Path) -> None:
-    url = f"nats://127.0.0.1:{_closed_port()}"
+    url = f"nats://127.0.0.1:{free_port()}"
     proc = subprocess.run(
         [sys.executable, "-m", "miles.node", "--role", "rollout", "--nats-url", url, "--run-dir", str(tmp_path)],
         capture_output=True,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from miles.backends.distributed import backend_for_device, destroy_distributed, distributed, find_free_port
+from miles.backends.distributed import backend_for_device, destroy_distributed, distributed
+from miles.ports import free_port
 
 
 def test_backend_for_device() -> None:
@@ -15,7 +16,7 @@ def test_backend_for_device() -> None:
 
 
 def test_join_from_environment_and_leave(monkeypatch: pytest.MonkeyPatch) -> None:
-    port = find_free_port()
+    port = free_port()
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -29,9 +30,9 @@ def test_join_from_environment_and_leave(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_leaves_on_error_and_validates_rank() -> None:
     with pytest.raises(RuntimeError, match="boom"):
-        with distributed(0, 1, "127.0.0.1", find_free_port(), timeout_s=30):
+        with distributed(0, 1, "127.0.0.1", free_port(), timeout_s=30):
             raise RuntimeError("boom")
     assert not dist.is_initialized()
     with pytest.raises(ValueError):
-        with distributed(1, 1, "127.0.0.1", find_free_port()):
+        with distributed(1, 1, "127.0.0.1", free_port()):
             pass

@@ -60,9 +60,9 @@ def _worker(rank: int, world: int, tp: int, pp: int, path: str, port: int, write
 
 
 def _run(world: int, tp: int, pp: int, path: str, write: bool) -> None:
-    from miles.backends.distributed import find_free_port
+    from miles.ports import free_port
 
-    mp.start_processes(_worker, args=(world, tp, pp, path, find_free_port(), write), nprocs=world, start_method="spawn")
+    mp.start_processes(_worker, args=(world, tp, pp, path, free_port(), write), nprocs=world, start_method="spawn")
 
 
 # (world, tp, pp): TP 2 -> PP 2 (TP 1), so reading merges the TP shards and splits the layers over stages.

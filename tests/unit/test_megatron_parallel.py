@@ -132,7 +132,7 @@ def _check_gradients(chunks, converter, settings, args, model, disk, batch, rank
 @pytest.mark.slow  # two spawned processes, megatron imported in each
 @pytest.mark.parametrize(("kind", "tp", "pp", "ep"), LAYOUTS)
 def test_parallel_layout_loads_runs_and_exports(kind: str, tp: int, pp: int, ep: int) -> None:
-    from miles.backends.distributed import find_free_port
+    from miles.ports import free_port
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_worker, args=(kind, tp, pp, ep, find_free_port()), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(kind, tp, pp, ep, free_port()), nprocs=2, start_method="spawn")

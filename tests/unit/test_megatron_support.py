@@ -166,12 +166,12 @@ def cpu_model() -> Iterator[CpuMegatron]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from miles.backends.distributed import find_free_port
     from miles.backends.megatron.cpu_shims import cpu_megatron
+    from miles.ports import free_port
 
     joined = False
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         joined = True
     ps.initialize_model_parallel(1, 1)
     try:

@@ -4,7 +4,6 @@ blocking sides, against a real local HTTP server."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -12,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from miles.engines.server_client import ConnectionLost, ServerClient, ServerError, ServerUnreachable
+from miles.ports import free_port
 
 
 class Refused(ServerError):
@@ -55,12 +55,6 @@ def url() -> Iterator[str]:
     yield f"http://127.0.0.1:{httpd.server_address[1]}"
     httpd.shutdown()
     httpd.server_close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def test_both_sides_answer_the_same_and_fail_the_same(url: str) -> None:

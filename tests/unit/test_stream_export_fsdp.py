@@ -6,9 +6,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from miles.backends.distributed import distributed, find_free_port
+from miles.backends.distributed import distributed
 from miles.backends.fsdp_export import export_specs, iter_full_params
 from miles.config import LoraConfig
+from miles.ports import free_port
 from miles.sync.checksum import digest
 from miles.sync.lora import add_adapters, lora_scale, merged_state, split_peft_state
 from miles.sync.payload import deserialize_state
@@ -97,7 +98,7 @@ def test_one_rank_process_group_gathers_dtensors() -> None:
 
     model = tiny(tied=True)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
-    with distributed(0, 1, "127.0.0.1", find_free_port(), timeout_s=60):
+    with distributed(0, 1, "127.0.0.1", free_port(), timeout_s=60):
         mesh = init_device_mesh("cpu", (1,))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)

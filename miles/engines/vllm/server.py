@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -24,17 +23,12 @@ from miles.child_process import die_with_parent
 from miles.config import LoraConfig, VllmEngineConfig
 from miles.engines.base import EngineError
 from miles.engines.server_client import ServerClient
+from miles.ports import free_port
 
 log = structlog.get_logger(__name__)
 
 WORKER_DIR = Path(__file__).parent / "worker"  # miles_vllm_worker.py: on the server's PYTHONPATH
 WORKER_EXTENSION = "miles_vllm_worker.MilesWeightLoader"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM accepts
