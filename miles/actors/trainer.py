@@ -27,13 +27,14 @@ from nats.aio.msg import Msg
 
 from miles.actors import trust
 from miles.actors.base import Actor, keep_in_progress
+from miles.actors.trainer_intake import Examined, TrajectoryIntake
 from miles.actors.trainer_ranks import LeaderRanks
 from miles.algo.advantages import ADVANTAGES
 from miles.algo.config import generation_budget
 from miles.algo.filters import build_group_filter
 from miles.algo.shaping import RewardShaper
 from miles.backends.base import TrainSample
-from miles.bus.client import KEY_GROUPS_ISSUED
+from miles.bus.client import KEY_GROUPS_ISSUED, Refusal
 from miles.bus.schema import (
     GroupsDiscarded,
     Heartbeat,
@@ -117,17 +118,23 @@ class TrainerLeader(Actor):
         sub = await self.bus.js.pull_subscribe_bind(
             durable=self.bus.subjects.TRAINER_CONSUMER, stream=self.bus.subjects.traj_stream
         )
+        want = cfg.trainer.groups_per_step
+        intake = TrajectoryIntake(sub, self._examine, ahead=want, ping_s=cfg.bus.ack_wait_s / 3)
         last_step_end = time.perf_counter()
         try:
-            while self.lineage.step < cfg.trainer.steps and not self.stopping.is_set():
-                failpoint("between_steps")
-                collected = await self._collect(sub)
-                if collected is None:
-                    break  # stopping: the held trajectories were nak'ed for redelivery
-                msgs, trajs = collected
-                seqs = [m.metadata.sequence.stream for m in msgs]
-                await self._step(trajs, seqs, msgs, replayed=False, started=last_step_end)
-                last_step_end = time.perf_counter()
+            # The next batch is pulled and examined while one trains; what it pulled ahead is nak'ed at the end.
+            async with intake:
+                while self.lineage.step < cfg.trainer.steps and not self.stopping.is_set():
+                    failpoint("between_steps")
+                    intake.resume()
+                    collected = await self._collect(intake)
+                    if collected is None:
+                        break  # stopping: the held trajectories were nak'ed for redelivery
+                    intake.pause()  # until the ranks train: building the batch comes first
+                    msgs, trajs = collected
+                    seqs = [m.metadata.sequence.stream for m in msgs]
+                    await self._step(trajs, seqs, msgs, replayed=False, started=last_step_end, training=intake.resume)
+                    last_step_end = time.perf_counter()
         finally:
             await sub.unsubscribe()
         if self.lineage.step > self._last_checkpoint_step:  # done, or draining: nothing trained is redone
@@ -182,8 +189,9 @@ class TrainerLeader(Actor):
 
     # ------------------------------------------------------------------ collecting
 
-    async def _collect(self, sub: Any) -> tuple[list[Msg], list[Trajectory]] | None:
-        """Pull until a full batch of fresh, untrained trajectories is held (unacked)."""
+    async def _collect(self, intake: TrajectoryIntake) -> tuple[list[Msg], list[Trajectory]] | None:
+        """Take examined trajectories from the intake until a full batch of fresh, untrained ones is held
+        (unacked)."""
         want = self.cfg.trainer.groups_per_step
         msgs: list[Msg] = []
         trajs: list[Trajectory] = []
@@ -204,17 +212,11 @@ class TrainerLeader(Actor):
                     for m in msgs:
                         await m.nak()
                     return None
-                try:
-                    batch = await sub.fetch(want - len(trajs), timeout=0.5)
-                except asyncio.TimeoutError:
-                    continue
-                # nats-py's fetch also returns what earlier timed-out pulls left queued, so more than asked: a step
-                # takes exactly `want` (the controller issues steps x want in all; a surplus starves the last step).
-                batch, surplus = batch[: want - len(trajs)], batch[want - len(trajs) :]
-                for m in surplus:
-                    await m.nak()
-                for m in batch:
-                    traj = await self._accept(m)
+                # Exactly what the batch lacks: the controller issues steps x want in all (a surplus would
+                # starve the last step).
+                for examined in await intake.take(want - len(trajs), timeout_s=0.5):
+                    m = examined.msg
+                    traj = await self._accept(examined)
                     if traj is None:
                         continue
                     index = traj.issue_index
@@ -287,32 +289,40 @@ class TrainerLeader(Actor):
             refused.append(traj)
         return refused
 
-    async def _accept(self, m: Msg) -> Trajectory | None:
+    def _examine(self, m: Msg) -> Examined:
+        """What a trajectory is, whatever the run's state: decoded, signed, its ticket verified, its content
+        checked (on the intake's thread: no event loop, no side effects)."""
+        verdict = self.bus.examine(m, Trajectory)
+        if isinstance(verdict, Refusal):
+            return Examined(m, None, None, verdict)
+        try:
+            ticket = self._ticket(verdict)
+        except (SignatureError, SchemaError) as exc:
+            return Examined(m, verdict, None, Refusal(f"trajectory {verdict.group_id}: ticket: {exc}", "untrusted"))
+        why = trust.content_refusal(
+            verdict, ticket, vocab_size=self.vocab_size, reward_range=self.cfg.task.reward_range
+        )
+        return Examined(m, verdict, ticket, None if why is None else Refusal(f"trajectory: {why}", "untrusted"))
+
+    async def _accept(self, examined: Examined) -> Trajectory | None:
         """A delivered trajectory if it can be trained on; None once it was refused (and, for a group the
         controller did issue, discarded for re-issue so its admission credit comes back)."""
-        traj = await self.bus.accept(m, Trajectory)
-        if traj is None:
+        m, traj, ticket, refusal = examined.msg, examined.trajectory, examined.ticket, examined.refusal
+        if refusal is not None and (traj is None or ticket is None):
+            # Undecodable, unsigned, a bad ticket, or refused with none: no issued group to give back.
+            await self.bus.refuse(m, refusal.reason, category=refusal.category)
             return None
-        try:
-            ticket = self._ticket(traj)
-        except (SignatureError, SchemaError) as exc:
-            await self.bus.refuse(m, f"trajectory {traj.group_id}: ticket: {exc}", category="untrusted")
-            return None
+        assert traj is not None
         if traj.issue_index >= self._issued:  # the window grows as the controller issues: look again
             self._issued = await self.bus.get_int(KEY_GROUPS_ISSUED, 0)
-        refusal = trust.trajectory_refusal(
-            traj,
-            ticket,
-            vocab_size=self.vocab_size,
-            issued=self._issued,
-            newest=self.next_version - 1,
-            reward_range=self.cfg.task.reward_range,
-        )
-        if refusal is None and self.audit is not None:
-            refusal = await self.audit.refusal(traj, ticket)
         if refusal is None:
-            return traj
-        await self.bus.refuse(m, f"trajectory: {refusal}", category="untrusted")
+            why = trust.standing_refusal(traj, issued=self._issued, newest=self.next_version - 1)
+            if why is None and self.audit is not None:
+                why = await self.audit.refusal(traj, ticket)
+            if why is None:
+                return traj
+            refusal = Refusal(f"trajectory: {why}", "untrusted")
+        await self.bus.refuse(m, refusal.reason, category=refusal.category)
         if traj.issue_index < self._issued and ticket is not None and traj.issue_index not in self.resolved:
             await self._discard(None, traj, "invalid", requeue=True)
         return None
@@ -400,17 +410,28 @@ class TrainerLeader(Actor):
         return min(kept, default=traj.oldest_version)
 
     async def _step(
-        self, trajs: list[Trajectory], seqs: list[int], msgs: list[Msg], *, replayed: bool, started: float
+        self,
+        trajs: list[Trajectory],
+        seqs: list[int],
+        msgs: list[Msg],
+        *,
+        replayed: bool,
+        started: float,
+        training: Callable[[], None] | None = None,
     ) -> None:
-        """Train one batch, publish its version, ack it, checkpoint if due."""
+        """Train one batch, publish its version, ack it, checkpoint if due; ``training`` is called as the ranks
+        start the update."""
         fresh = self._fresh if self.cfg.staleness.stale_prefix == "mask" else None
-        batch = build_batch(trajs, self.advantages, self.shaper, fresh)
+        # Per-token work, on a thread: the event loop keeps serving the intake, pings and heartbeats meanwhile.
+        batch = await asyncio.to_thread(build_batch, trajs, self.advantages, self.shaper, fresh)
         if self.teacher is not None:  # on-policy distillation from teacher actors: their log-probs of our tokens
             await self.teacher.fill(batch.samples, self.cfg.rollout.sampling.temperature or 1.0)
         lags = [self.lineage.distance(self._oldest_trained(t, fresh)) for t in trajs]
         staleness = [lag if lag is not None else -1 for lag in lags]
         dp_size = self.ranks.worker.backend.dp_size
-        plan = plan_batch(batch.samples, self.cfg.trainer.algo.minibatches, dp_size)
+        plan = await asyncio.to_thread(plan_batch, batch.samples, self.cfg.trainer.algo.minibatches, dp_size)
+        if training is not None:
+            training()
         metrics = await self.ranks.call("train", plan)
         failpoint("train")  # weights updated in memory, nothing published yet
         step = self.lineage.step + 1

@@ -94,6 +94,15 @@ class Received(Protocol):
 
 M = TypeVar("M", bound=Message)
 
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a received message must be refused: the reason dead-lettered with it, and its count's category."""
+
+    reason: str
+    category: str
+
+
 # KV keys of the state bucket (docs/protocol.md).
 KEY_TRAINER_VERSION = "trainer_version"
 KEY_STATUS = "status"
@@ -233,32 +242,40 @@ class Bus:
             return
         self.verifier.verify(received.subject, received.data, received.headers, signer)
 
-    async def accept(self, received: Received, cls: type[M]) -> M | None:
-        """The message of kind ``cls`` in ``received``, decoded and verified; None if refused (dead-lettered,
-        counted and, for JetStream work, acked: it lives on in the DLQ)."""
+    def examine(self, received: Received, cls: type[M]) -> M | Refusal:
+        """The message of kind ``cls`` in ``received``, decoded and verified, or why it must be refused. No side
+        effects and no event loop: a reader may examine a batch on a thread (the trainer does, while it trains)."""
         try:
             message = decode(received.data, cls)
         except SchemaError as exc:
-            await self.refuse(received, str(exc), category="malformed")
-            return None
-        return await self._verified(received, message)
+            return Refusal(str(exc), "malformed")
+        return self._signed(received, message)
+
+    def _signed(self, received: Received, message: M) -> M | Refusal:
+        try:
+            self.check_signature(received, message.KIND)
+        except SignatureError as exc:
+            return Refusal(f"{message.KIND}: {exc}", "unsigned")
+        return message
+
+    async def accept(self, received: Received, cls: type[M]) -> M | None:
+        """The message of kind ``cls`` in ``received``, decoded and verified; None if refused (dead-lettered,
+        counted and, for JetStream work, acked: it lives on in the DLQ)."""
+        return await self._refused_or(received, self.examine(received, cls))
 
     async def accept_any(self, received: Received) -> Message | None:
         """Like :meth:`accept` for a subject that carries several kinds."""
         try:
             message = decode_any(received.data)
         except SchemaError as exc:
-            await self.refuse(received, str(exc), category="malformed")
-            return None
-        return await self._verified(received, message)
+            return await self._refused_or(received, Refusal(str(exc), "malformed"))
+        return await self._refused_or(received, self._signed(received, message))
 
-    async def _verified(self, received: Received, message: M) -> M | None:
-        try:
-            self.check_signature(received, message.KIND)
-        except SignatureError as exc:
-            await self.refuse(received, f"{message.KIND}: {exc}", category="unsigned")
+    async def _refused_or(self, received: Received, verdict: M | Refusal) -> M | None:
+        if isinstance(verdict, Refusal):
+            await self.refuse(received, verdict.reason, category=verdict.category)
             return None
-        return message
+        return verdict
 
     async def refuse(self, received: Received, reason: str, *, category: str) -> None:
         """Refuse ``received``: park it unchanged on the dead-letter stream with ``reason``, count it under

@@ -13,23 +13,25 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def run_script(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``benchmarks/<script>`` from the repository root; fail with its stderr's tail if it fails."""
+    proc = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 @pytest.mark.slow
 def test_async_vs_sync_runs_both_tasks_and_reports_ratios(tmp_path: Path) -> None:
     out = tmp_path / "avs.json"
     # Two steps, one eta each (a short warm-up: the smoke test checks the script, not the figures).
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/async_vs_sync.py", "--etas", "0,1", "--uniform-etas", "0", "--out", str(out)]
-        + [
-            x
-            for o in ("trainer.steps=2", "model.warmup_steps=5", "model.warmup_target_accuracy=null")
-            for x in ("--set", o)
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    sets = [
+        x
+        for o in ("trainer.steps=2", "model.warmup_steps=5", "model.warmup_target_accuracy=null")
+        for x in ("--set", o)
+    ]
+    proc = run_script("async_vs_sync.py", "--etas", "0,1", "--uniform-etas", "0", "--out", str(out), *sets, timeout=540)
     result = json.loads(out.read_text())
     runs = {r["label"]: r for r in result["runs"]}
     assert set(runs) == {"long-tailed-eta0", "long-tailed-eta1", "uniform-eta0"}
@@ -45,13 +47,17 @@ def test_controller_restart_rebuilds_a_synthetic_run_exactly(tmp_path: Path) -> 
     """The restart benchmark fills real streams and runs the controller's real rebuild, which it checks itself
     (nothing refused, every group accounted for): a small run must pass those checks."""
     out = tmp_path / "restart.json"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/controller_restart.py", "--steps", "30", "--repeats", "1", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_script("controller_restart.py", "--steps", "30", "--repeats", "1", "--out", str(out), timeout=300)
     (row,) = json.loads(out.read_text())["rows"]
     assert row["steps"] == 30 and row["messages"] == 1 + 3 * 30 + 3 and row["record_bytes_rewritten"] > 0
+
+
+@pytest.mark.slow
+def test_trainer_intake_runs_the_real_trainer_loop_over_every_group(tmp_path: Path) -> None:
+    """The intake benchmark drives the real trainer loop over filled streams and checks that every group was
+    trained once with nothing refused: a small run must pass that check and report each step."""
+    out = tmp_path / "intake.json"
+    args = ["--groups", "8", "--group-size", "2", "--tokens", "40", "--train-s", "0.05", "--steps", "3"]
+    run_script("trainer_intake.py", *args, "--out", str(out), timeout=300)
+    result = json.loads(out.read_text())
+    assert len(result["step_s"]) == 3 and result["step_s_median_after_first"] >= 0.05

@@ -14,6 +14,7 @@ import miles.actors.trainer as trainer_mod
 from miles.actors.admission import AdmissionState, issue_room
 from miles.actors.controller import Controller
 from miles.actors.trainer import TrainerLeader
+from miles.actors.trainer_intake import Examined
 from miles.sim.fleet import EngineModel, FleetParams, LengthModel, simulate
 from miles.training.intake import RecentSet, classify
 from miles.training.lineage import IndexSet, VersionLineage
@@ -108,13 +109,15 @@ class _Msg:
         self.acked = True
 
 
-class _Sub:
+class _Intake:
+    """The trainer's intake (miles/actors/trainer_intake.py) as the leader sees it: examined trajectories in order."""
+
     def __init__(self, msgs) -> None:
         self.msgs = list(msgs)
 
-    async def fetch(self, n, timeout):
+    async def take(self, n, timeout_s):
         out, self.msgs = self.msgs[:n], self.msgs[n:]
-        return out
+        return [Examined(m, m.traj, None, None) for m in out]
 
 
 @pytest.mark.parametrize(("stale_prefix", "expected"), [("discard", "stale"), ("mask", "accept")])
@@ -148,8 +151,8 @@ async def test_trainer_collect_acts_on_classify(
     tr.audit = None  # trainer.audit off
     discards: list[tuple[int, str, bool]] = []
 
-    async def accept(m):
-        return m.traj
+    async def accept(examined):
+        return examined.trajectory
 
     async def discard(m, traj, reason, *, requeue):
         discards.append((traj.issue_index, reason, requeue))
@@ -162,7 +165,7 @@ async def test_trainer_collect_acts_on_classify(
         for i, v, n in [(0, 3, 3), (1, 1, 3), (2, 3, 3)]
     ]
     msgs = [_Msg(t) for t in trajs]
-    held, got = await asyncio.wait_for(tr._collect(_Sub(msgs)), timeout=5)
+    held, got = await asyncio.wait_for(tr._collect(_Intake(msgs)), timeout=5)
     assert verdicts == ["duplicate", expected, "accept"]
     assert tr.counts["duplicates"] == 1 and msgs[0].acked
     assert tr.counts["generated_again"] == 1  # a trajectory of a trained group it had not seen: played twice
