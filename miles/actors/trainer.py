@@ -21,13 +21,13 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from nats.aio.msg import Msg
 
 from miles.actors import trust
 from miles.actors.base import Actor, keep_in_progress
-from miles.actors.trainer_intake import Examined, TrajectoryIntake
+from miles.actors.trainer_intake import Examined, TrajectoryIntake, on_thread_if
 from miles.actors.trainer_ranks import LeaderRanks
 from miles.algo.advantages import ADVANTAGES
 from miles.algo.config import generation_budget
@@ -57,13 +57,7 @@ from miles.training.recovery import fetch_batch, plan_recovery, read_history
 from miles.training.step import plan_batch
 from miles.training.teacher_client import teacher_client
 
-T = TypeVar("T")
-
 OFF_LOOP_TOKENS = 100_000  # a batch this large takes ~10 ms to build and plan: done on a thread
-
-
-async def _maybe_on_thread(off_loop: bool, fn: Callable[..., T], *args: Any) -> T:
-    return await asyncio.to_thread(fn, *args) if off_loop else fn(*args)
 
 
 class TrainerLeader(Actor):
@@ -431,16 +425,15 @@ class TrainerLeader(Actor):
         start the update."""
         fresh = self._fresh if self.cfg.staleness.stale_prefix == "mask" else None
         # Per-token work: a large batch's on a thread, so the event loop keeps serving the intake, pings and
-        # heartbeats; a small one's inline (a trip to a thread can wait out the interpreter's 5 ms switch
-        # interval twice, which measured +5% on a 0.1 s quickstart step).
-        off_loop = sum(t.num_model_tokens for t in trajs) >= OFF_LOOP_TOKENS
-        batch = await _maybe_on_thread(off_loop, build_batch, trajs, self.advantages, self.shaper, fresh)
+        # heartbeats; a small one's inline (see on_thread_if).
+        large = sum(t.num_tokens for t in trajs) >= OFF_LOOP_TOKENS
+        batch = await on_thread_if(large, build_batch, trajs, self.advantages, self.shaper, fresh)
         if self.teacher is not None:  # on-policy distillation from teacher actors: their log-probs of our tokens
             await self.teacher.fill(batch.samples, self.cfg.rollout.sampling.temperature or 1.0)
         lags = [self.lineage.distance(self._oldest_trained(t, fresh)) for t in trajs]
         staleness = [lag if lag is not None else -1 for lag in lags]
         dp_size = self.ranks.worker.backend.dp_size
-        plan = await _maybe_on_thread(off_loop, plan_batch, batch.samples, self.cfg.trainer.algo.minibatches, dp_size)
+        plan = await on_thread_if(large, plan_batch, batch.samples, self.cfg.trainer.algo.minibatches, dp_size)
         if training is not None:
             training()
         metrics = await self.ranks.call("train", plan)

@@ -105,11 +105,11 @@ class Cluster:
                 failpoints=failpoints,
             )
 
-    def start_all(self, rollouts: int = 2, ranks: int = 1) -> None:
+    def start_all(self, rollouts: int = 2, ranks: int = 1, trainer_failpoints: str | None = None) -> None:
         self.start("controller", "controller")
         for i in range(rollouts):
             self.start(f"rollout-{i}", "rollout")
-        self.start_trainer(ranks)
+        self.start_trainer(ranks, failpoints=trainer_failpoints)
 
     def kill(self, name: str) -> None:
         self.procs[name].send_signal(signal.SIGKILL)

@@ -89,10 +89,7 @@ def test_the_only_server_killed_and_restarted_twice(tmp_path: Path, model_cache:
     cfg = _run("outage", model_cache, **{"trainer.steps": 14, "eval.every": 7})
     cluster = Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=server.url)
     try:
-        cluster.start("controller", "controller")
-        cluster.start("rollout-0", "rollout")
-        cluster.start("rollout-1", "rollout")
-        cluster.start_trainer(failpoints=FREEZE_EVERY.format(n=5))  # frozen at arrivals 5 and 10 of 14
+        cluster.start_all(trainer_failpoints=FREEZE_EVERY.format(n=5))  # frozen at arrivals 5 and 10 of 14
         _kill_mid_run(cluster, server, outage_s=2.0)
         _kill_mid_run(cluster, server, outage_s=15.0)
         _finish(cluster, server.url)
@@ -123,10 +120,7 @@ def test_a_cluster_node_lost_twice(tmp_path: Path, model_cache: Path) -> None:
     # Actors are given nodes 0 and 1: node 2 is one they do not use (they learn of it, but stay put).
     cluster = Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=f"{nats.node_url(0)},{nats.node_url(1)}")
     try:
-        cluster.start("controller", "controller")
-        cluster.start("rollout-0", "rollout")
-        cluster.start("rollout-1", "rollout")
-        cluster.start_trainer(failpoints=FREEZE_EVERY.format(n=3))  # frozen at arrivals 3, 6, 9 and 12
+        cluster.start_all(trainer_failpoints=FREEZE_EVERY.format(n=3))  # frozen at arrivals 3, 6, 9 and 12
         with trainer_frozen(cluster, "node 2 lost"):
             nats.kill(2)
         with trainer_frozen(cluster, "node 2 back"):  # caught up (its /healthz): under load that takes a while
