@@ -97,7 +97,7 @@ class StandInWorker:
     def __init__(self, train_s: float) -> None:
         self.train_s = train_s
         self.backend = SimpleNamespace(dp_size=1)
-        self.checkpoints = SimpleNamespace(due=lambda step: False)
+        self.checkpoints = SimpleNamespace(due=lambda step: False, oldest_extra=lambda: None)
 
     def restore(self) -> None:
         return None

@@ -647,6 +647,22 @@ class BusConfig(BusSecurityFields):
     )
     ack_wait_s: float = Field(30.0, gt=0, description="Redelivery delay of an unacked prompt or trajectory.")
     heartbeat_s: float = Field(1.0, gt=0, description="Actor heartbeat period.")
+    retention: Literal["recovery", "all"] = Field(
+        "recovery",
+        description="What TRAJ, EVENTS and METRICS keep. recovery: what a restart can still need, so they stay "
+        "bounded for a run of any length: the trainer purges trajectories its oldest kept checkpoint no longer "
+        "needs, the controller the events and metrics its snapshots hold (and the trainer's checkpoints do not "
+        "need); the run record in the run directory keeps the history. all: nothing is purged (the whole run "
+        "stays on the bus, growing with it).",
+    )
+    snapshot_every_steps: int = Field(
+        50,
+        ge=1,
+        description="The controller writes a snapshot of its state to the bus every this many recorded steps: a "
+        "restarted controller reads the newest one and replays only what was stored after it, so a restart costs "
+        "the same at any run length, and nothing on EVENTS or METRICS older than the newest snapshot is needed "
+        "(docs/architecture.md, 'Controller snapshots').",
+    )
     max_payload_mb: int = Field(8, ge=1, description="max_payload of the embedded server (weight chunk size follows).")
     embedded_threads: int | None = Field(
         1,

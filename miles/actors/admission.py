@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from miles.bus.schema import GroupsDiscarded, GroupsIssued
+from miles.bus.schema import AdmissionPart, GroupsDiscarded, GroupsIssued
 from miles.tasks.base import Sample
 from miles.training.lineage import IndexSet
 
@@ -44,8 +44,36 @@ class AdmissionState:
     resolved: IndexSet = field(default_factory=IndexSet)  # issue indices trained or discarded
     discards_seq: int = 0  # EVENTS sequence of the newest discard folded into cursor/reissue/attempts
 
+    def part(self) -> AdmissionPart:
+        """The state as a part of the controller's snapshot (copies: the state goes on changing)."""
+        return AdmissionPart(
+            issued=self.issued,
+            discarded=self.discarded,
+            cursor=self.cursor,
+            reissue=list(self.reissue),
+            reissue_attempts=dict(self.attempts),
+            resolved_floor=self.resolved.floor,
+            resolved_above=sorted(self.resolved.above),
+            discards_seq=self.discards_seq,
+        )
+
+    @classmethod
+    def from_part(cls, part: AdmissionPart) -> AdmissionState:
+        return cls(
+            issued=part.issued,
+            discarded=part.discarded,
+            cursor=part.cursor,
+            reissue=list(part.reissue),
+            attempts=dict(part.reissue_attempts),
+            resolved=IndexSet.from_json({"floor": part.resolved_floor, "above": part.resolved_above}),
+            discards_seq=part.discards_seq,
+        )
+
     def restore(self, record: GroupsIssued) -> None:
-        """Take the state an issue record says the controller had once its batch was out."""
+        """Take the state an issue record says the controller had once its batch was out (a record the state
+        includes already, read after a snapshot, changes nothing: the state has folded discards since)."""
+        if record.end_index <= self.issued:
+            return
         self.issued = max(self.issued, record.end_index)
         self.cursor = record.cursor
         self.reissue = list(record.reissue)

@@ -8,15 +8,17 @@ steps old; the trainer re-checks on consumption because arrival order is not iss
 unique ids (a trainer restart supersedes versions with new numbers), so the bound counts steps, which every
 announcement carries, not version numbers.
 
-State rebuilt from the bus. Everything the controller knows is a fold over two streams, which it replays
-in order at every start before it goes on live (:meth:`Controller._rebuild`): EVENTS (announcements, the
-trainer's discards, workers' held-weight reports, evaluation shard results) and METRICS (step reports, its
-own evaluation results and issue records). A batch of prompts is published only after its issue record
+State rebuilt from the bus. Everything the controller knows is a fold over two streams: EVENTS
+(announcements, the trainer's discards, workers' held-weight reports, evaluation shard results) and METRICS
+(step reports, its own evaluation results and issue records). Every ``bus.snapshot_every_steps`` steps it
+writes that state with the stream position of each subject it folds (:mod:`miles.actors.snapshots`); at every
+start it takes the newest snapshot and replays, in order, only what was stored after it
+(:meth:`Controller._rebuild`), then goes on live. A batch of prompts is published only after its issue record
 (:class:`~miles.bus.schema.GroupsIssued`) is stored, so a controller killed mid-batch finds the batch on
 restart and publishes it again with the same contents: each prompt's message id is its group id, and the
-prompt stream drops a copy it already holds. The run directory's files are rewritten by the same fold
-(:mod:`miles.actors.run_record`), so they are equal after any number of controller restarts to those of an
-uninterrupted run.
+prompt stream drops a copy it already holds. The run directory's files are cut back to what the snapshot had
+written and the rest is rewritten by the same fold (:mod:`miles.actors.run_record`), so they are equal after any
+number of controller restarts to those of an uninterrupted run.
 
 It also audits weight sync (:mod:`miles.actors.weight_audit`) and owns held-out evaluation
 (:mod:`miles.actors.evaluations`): the first version is evaluated before any prompt is issued, so
@@ -39,14 +41,17 @@ from miles.actors import trust
 from miles.actors.admission import AdmissionState, SampleOrder, admission_limit, issue_room, plan_batch
 from miles.actors.base import Actor
 from miles.actors.evaluations import EvalCoordinator
+from miles.actors.retention import release_events_and_metrics
 from miles.actors.run_record import RunRecord
+from miles.actors.snapshots import FoldGate, newest_snapshot
 from miles.actors.weight_audit import WeightAudit
 from miles.algo.filters import over_issue_groups
 from miles.bus.client import KEY_GROUPS_ISSUED, KEY_STATUS, messages_until
 from miles.bus.errors import PayloadMissing
-from miles.bus.follow import follow, stored_messages
+from miles.bus.follow import follow, next_message, stored_messages
 from miles.bus.schema import (
     Control,
+    ControllerSnapshot,
     EvalResult,
     EvalShardResult,
     GroupsDiscarded,
@@ -59,6 +64,7 @@ from miles.bus.schema import (
     WeightsAnnounced,
     WeightsHeld,
     decode_any,
+    encode,
 )
 from miles.failpoints import failpoint
 from miles.security.signing import SignatureError
@@ -67,6 +73,8 @@ from miles.training.audit import AUDIT_KEYS, GAP_MAX_KEY, audit_alarm
 
 __all__ = ["AdmissionState", "Controller", "admission_limit"]
 
+# What a snapshot's positions are kept for: METRICS, and each subject of EVENTS the controller folds.
+FOLDED = ("metrics", "weights", "discarded", "weights_held", "eval_results")
 KEY_CONTROLLER_SEEN = "controller_seen"  # JSON {"events": seq, "metrics": seq}: how far the live readers got
 KEEP_VERSIONS = 256  # version -> step entries remembered live (lags of workers a few versions behind)
 VERSION_WAIT_S = 10.0  # how long (connected) a step report or trainer_done may overtake its announcement
@@ -118,6 +126,10 @@ class Controller(Actor):
         self._finishing = False
         self._seen: dict[str, int] = {}  # stream positions an earlier life had handled (state bucket)
         self._positions: dict[str, int] = {}  # ... and this life
+        self.gate = FoldGate()  # a snapshot is cut only between two changes of the state
+        self._folded = dict.fromkeys(FOLDED, 0)  # per FOLDED entry: the sequence of the last message folded in
+        self.snapshots = {"written": 0, "failed": 0, "restored_from_step": -1}
+        self._restored_positions: dict[str, int] | None = None  # of the snapshot this life started from
 
     @property
     def resolved(self) -> Any:
@@ -181,6 +193,7 @@ class Controller(Actor):
                 tg.create_task(self._follow(stream, subject, after, done, handle), name=f"controller.{subject}")
             tg.create_task(self._admit(done), name="controller.admission")
             tg.create_task(self._keep_positions(done), name="controller.positions")
+            tg.create_task(self._keep_snapshots(done), name="controller.snapshots")
             self._resume(done)
             stop_waiter = tg.create_task(self.stopping.wait(), name="controller.stop")
             await asyncio.wait([stop_waiter, tg.create_task(done.wait())], return_when=asyncio.FIRST_COMPLETED)
@@ -206,13 +219,20 @@ class Controller(Actor):
     # ------------------------------------------------------------------ rebuilding from the streams
 
     async def _rebuild(self) -> dict[str, int]:
-        """Replay EVENTS and METRICS from their start: the admission state, the version registry, the audit,
-        the evaluations and the record files. Returns the stream positions live reading goes on after."""
+        """Take the newest snapshot, then replay what EVENTS and METRICS stored after it (everything, without
+        one): the admission state, the version registry, the audit, the evaluations and the record files.
+        Returns the stream positions live reading goes on after."""
         js, s = self.bus.js, self.bus.subjects
         started = time.perf_counter()
-        self.record.begin_rebuild()
+        snapshot = await newest_snapshot(self.bus)
+        if snapshot is not None:
+            self._restore(snapshot)
+        at = dict(self._folded)  # what the snapshot holds (zeros: nothing)
+        self.record.begin_rebuild(snapshot.record.file_sizes if snapshot is not None else None)
+        replayed = 0
         # 1. every announcement's step (the step reports and evaluations below refer to them)
-        async for raw in stored_messages(js, s.events_stream, s.weights):
+        async for raw in stored_messages(js, s.events_stream, s.weights, after_seq=at["weights"]):
+            replayed += 1
             ann = await self._accepted(raw, replaying=True)
             if isinstance(ann, WeightsAnnounced) and ann.version > self.trainer_version:
                 if trust.announcement_refusal(
@@ -223,31 +243,41 @@ class Controller(Actor):
                 if not ann.replayed and ann.step > 0 and self.evals.due(ann.step, self.cfg.trainer.steps):
                     self._due_evals.append(ann.version)
         # 2. issue records, step reports, evaluation results, trainer_done
-        metrics_seq = 0
-        async for raw in stored_messages(js, s.metrics_stream, s.metrics_all):
+        metrics_seq = at["metrics"]
+        async for raw in stored_messages(js, s.metrics_stream, s.metrics_all, after_seq=metrics_seq):
+            replayed += 1
             metrics_seq = raw.seq or metrics_seq
             await self._on_metrics(raw, True)
-        # 3. in stream order: announcements (for the audit), discards, held weights, evaluation shards
-        events_seq = 0
-        async for raw in stored_messages(js, s.events_stream, f"{s.run}.events.>"):
+        # 3. in stream order: announcements (for the audit), discards, held weights, evaluation shards; each
+        # subject from where the snapshot's fold of it ended
+        events_seq = min(at[key] for key in FOLDED if key != "metrics")
+        async for raw in stored_messages(js, s.events_stream, f"{s.run}.events.>", after_seq=events_seq):
             events_seq = raw.seq or events_seq
-            if raw.subject == s.weights:
+            key = self._fold_key(raw.subject)
+            if key is None or events_seq <= at[key]:
+                continue
+            replayed += 1
+            if key == "weights":
                 ann = decode_any(raw.data) if raw.data else None  # checked in step 1 (counted there)
                 if isinstance(ann, WeightsAnnounced) and ann.version in self.version_steps:
                     self._adopt_totals(ann)
-            elif raw.subject == s.discarded:
+            elif key == "discarded":
                 await self._on_discard(raw, True)
-            elif raw.subject == s.weights_held:
+            elif key == "weights_held":
                 await self._on_held(raw, True)
-            elif raw.subject == s.eval_results:
+            else:
                 await self._on_eval_shard(raw, True)
         while len(self.version_steps) > KEEP_VERSIONS:
             self.version_steps.popitem(last=False)
         self.record.end_rebuild()
+        events_seq = max(events_seq, *(at[key] for key in FOLDED if key != "metrics"))
+        self._folded = {key: events_seq for key in FOLDED} | {"metrics": metrics_seq}
         if self.last_batch is not None:
             self.restarts = 1
             self.log.info(
                 "controller_rebuilt",
+                snapshot_step=self.snapshots["restored_from_step"],
+                replayed=replayed,
                 issued=self.state.issued,
                 discarded=self.state.discarded,
                 trained=self.record.groups_trained,
@@ -256,6 +286,101 @@ class Controller(Actor):
                 seconds=round(time.perf_counter() - started, 3),
             )
         return {"metrics": metrics_seq, "events": events_seq}
+
+    def _fold_key(self, subject: str) -> str | None:
+        """The :data:`FOLDED` entry a message on ``subject`` belongs to (None: one the controller does not fold)."""
+        if subject.startswith(f"{self.bus.subjects.run}.metrics."):
+            return "metrics"
+        key = subject.rsplit(".", 1)[-1]
+        return key if key in FOLDED else None
+
+    # ------------------------------------------------------------------ snapshots
+
+    def _snapshot(self) -> ControllerSnapshot:
+        """The state as it is now (call it inside ``self.gate.quiet()``, without awaiting: it must not change)."""
+        return ControllerSnapshot(
+            positions=dict(self._folded),
+            admission=self.state.part(),
+            last_batch=self.last_batch,
+            trainer_version=self.trainer_version,
+            trainer_step=self.trainer_step,
+            version_steps=list(self.version_steps.items()),
+            sync_bytes={mode: dict(totals) for mode, totals in self.sync_bytes.items()},
+            audit=self.audit.part(),
+            evaluations=self.evals.parts(),
+            due_evals=sorted(set(self.evals.open_versions()) | set(self._due_evals)),
+            trainer_done=self._trainer_done,
+            refused=dict(self.bus.refused),
+            dead_lettered=self.bus.dead_lettered,
+            record=self.record.part(),
+        )
+
+    def _restore(self, snapshot: ControllerSnapshot) -> None:
+        """Take a snapshot's state (a fresh controller, before the replay of what was stored after it)."""
+        self._folded = dict.fromkeys(FOLDED, 0) | dict(snapshot.positions)
+        self.state = AdmissionState.from_part(snapshot.admission)
+        self.last_batch = snapshot.last_batch
+        self.trainer_version, self.trainer_step = snapshot.trainer_version, snapshot.trainer_step
+        self.version_steps.clear()  # in place: the evaluations look steps up through it
+        self.version_steps.update(snapshot.version_steps)
+        self.sync_bytes = {mode: dict(totals) for mode, totals in snapshot.sync_bytes.items()}
+        self.audit.restore(snapshot.audit)
+        self.evals.restore(snapshot.evaluations)
+        self._due_evals = list(snapshot.due_evals)
+        self._trainer_done = snapshot.trainer_done
+        self.bus.refused.update(snapshot.refused)
+        self.bus.dead_lettered += snapshot.dead_lettered
+        self.record.restore(snapshot.record)
+        self.snapshots["restored_from_step"] = len(self.record.steps_seen)
+        self._restored_positions = dict(snapshot.positions)
+
+    async def _keep_snapshots(self, done: asyncio.Event) -> None:
+        """Write a snapshot each time the recorded steps pass a multiple of ``bus.snapshot_every_steps``, until the
+        run is done."""
+        every = self.cfg.bus.snapshot_every_steps
+        cut_at = max(self.snapshots["restored_from_step"], 0)
+        kept = self._restored_positions  # the older of the two snapshots a restart may take
+        while not done.is_set():
+            steps = len(self.record.steps_seen)
+            if steps // every > cut_at // every:
+                async with self.gate.quiet():
+                    await self._advance_idle_positions()
+                    snapshot = self._snapshot()
+                cut_at = steps
+                if not await self._write_snapshot(snapshot):
+                    continue
+                if kept is not None and self.cfg.bus.retention == "recovery":
+                    first = await release_events_and_metrics(self.bus, kept)
+                    self.log.info("streams_released", **{f"{stream}_first_kept": seq for stream, seq in first.items()})
+                kept = dict(snapshot.positions)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(done.wait(), timeout=0.5)
+
+    async def _advance_idle_positions(self) -> None:
+        """Move the position of each EVENTS subject with nothing stored after it up to the stream's last sequence
+        (call it inside ``self.gate.quiet()``). A subject that has no messages (no discards, say) would otherwise
+        stay at 0 and the next restart would read EVENTS from its start; a message read but held at the gate is
+        found by the leader read, so its subject keeps its position."""
+        js, s = self.bus.js, self.bus.subjects
+        last = (await js.stream_info(s.events_stream)).state.last_seq
+        for key in FOLDED:
+            if key != "metrics" and self._folded[key] < last:
+                subject = f"{s.run}.events.{key}"
+                if await next_message(js, s.events_stream, subject, self._folded[key], leader=True) is None:
+                    self._folded[key] = last
+
+    async def _write_snapshot(self, snapshot: ControllerSnapshot) -> bool:
+        """Store ``snapshot``; False if it is too large for the server (the previous one stands: a restart replays
+        more, loses nothing)."""
+        size = len(encode(snapshot))
+        if size > self.bus.nc.max_payload:
+            self.snapshots["failed"] += 1
+            self.log.error("snapshot_too_large", bytes=size, max_payload=self.bus.nc.max_payload)
+            return False
+        await self.bus.publish(self.bus.subjects.snapshot, snapshot)
+        self.snapshots["written"] += 1
+        self.log.info("snapshot_written", steps=len(self.record.steps_seen), positions=snapshot.positions)
+        return True
 
     def _resume(self, done: asyncio.Event) -> None:
         """After the replay: open admission on a run that issued before, re-send the newest batch, ask for the
@@ -281,8 +406,11 @@ class Controller(Actor):
 
     async def _follow(self, stream: str, subject: str, after: int, done: asyncio.Event, handle: Handler) -> None:
         key = "metrics" if stream == self.bus.subjects.metrics_stream else "events"
+        folded = self._fold_key(subject) or key
         async for raw in follow(self.bus.nc, self.bus.js, stream, subject, done, after_seq=after, poll_s=0.5):
-            await handle(raw, False)
+            async with self.gate.folding():  # the change and its position go into a snapshot together
+                await handle(raw, False)
+                self._folded[folded] = max(self._folded[folded], raw.seq or 0)
             self._positions[key] = max(self._positions.get(key, 0), raw.seq or 0)
 
     def _seen_before(self, raw: RawStreamMsg, replaying: bool) -> bool:
@@ -346,10 +474,12 @@ class Controller(Actor):
                 over_issue=over_issue_groups(trainer.algo, trainer.groups_per_step),  # filtered groups' replacements
             )
             if room > 0 and self.trainer_version >= 0:
-                batch = plan_batch(self.state, self.order, room, self.trainer_version)
-                # The issue record goes first: a restart finds the batch and publishes it again, same contents.
-                await self.bus.publish(self.bus.subjects.issued, batch, msg_id=f"issued-{batch.first_index}")
-                self.last_batch = batch
+                # A snapshot holds a batch's state only with its issue record stored (both, or neither).
+                async with self.gate.folding():
+                    batch = plan_batch(self.state, self.order, room, self.trainer_version)
+                    # The issue record goes first: a restart finds the batch and publishes it again, same contents.
+                    await self.bus.publish(self.bus.subjects.issued, batch, msg_id=f"issued-{batch.first_index}")
+                    self.last_batch = batch
                 # Open the trainer's issue window before the prompts go out: their trajectories can be back
                 # before this batch ends, and one past the window is refused as never issued.
                 await self._raise_window(batch.end_index)
@@ -399,16 +529,21 @@ class Controller(Actor):
             self.bus.nc, self.bus.js, s.events_stream, s.weights, done, start="last", idle=self._versions_idle
         )
         async for raw in versions:
-            ann = await self.bus.accept(raw, WeightsAnnounced)
-            if ann is None or ann.version <= self.trainer_version:
-                continue  # refused, or a version seen already (a replayed older announcement changes nothing)
-            refusal = trust.announcement_refusal(
-                ann, newest=self.trainer_version, max_steps=self.cfg.trainer.steps, stored=await self._stored(ann)
-            )
-            if refusal is not None:
-                await self.bus.refuse(raw, f"weights_announced: {refusal}", category="untrusted")
-                continue
-            await self._adopt(ann, done)
+            async with self.gate.folding():
+                await self._on_announcement(raw, done)
+                self._folded["weights"] = max(self._folded["weights"], raw.seq or 0)
+
+    async def _on_announcement(self, raw: RawStreamMsg, done: asyncio.Event) -> None:
+        ann = await self.bus.accept(raw, WeightsAnnounced)
+        if ann is None or ann.version <= self.trainer_version:
+            return  # refused, or a version seen already (a replayed older announcement changes nothing)
+        refusal = trust.announcement_refusal(
+            ann, newest=self.trainer_version, max_steps=self.cfg.trainer.steps, stored=await self._stored(ann)
+        )
+        if refusal is not None:
+            await self.bus.refuse(raw, f"weights_announced: {refusal}", category="untrusted")
+            return
+        await self._adopt(ann, done)
 
     async def _stored(self, ann: WeightsAnnounced) -> tuple[str, int] | None | bool:
         """What the data plane holds for ``ann``'s version (see :func:`trust.announcement_refusal`)."""
@@ -549,7 +684,8 @@ class Controller(Actor):
         refusal: str | None = None
         if isinstance(message, StepMetrics):
             if not replaying:
-                await self._announced(message.policy_version)
+                async with self.gate.outside():  # nothing changed yet: a snapshot may be cut while it waits
+                    await self._announced(message.policy_version)
             refusal = trust.step_refusal(message, version_steps=self.version_steps, recorded=self.record.steps_seen)
             if refusal is None:
                 lags = [
@@ -562,12 +698,13 @@ class Controller(Actor):
                 self.record.step(message, stored_at(raw), worker_lag_mean=sum(lags) / len(lags) if lags else 0.0)
         elif isinstance(message, TrainerDone):
             if not replaying:
-                await self._announced(message.policy_version)
+                async with self.gate.outside():
+                    await self._announced(message.policy_version)
             refusal = trust.done_refusal(message, version_steps=self.version_steps, steps=self.cfg.trainer.steps)
-            if refusal is None and replaying:
-                self._trainer_done = message  # finished once the replay is over (_resume)
-            elif refusal is None:
-                self._tasks.create_task(self._finish(message, self._done_event), name="controller.finish")
+            if refusal is None:
+                self._trainer_done = message  # replaying: finished once the replay is over (_resume)
+                if not replaying:
+                    self._tasks.create_task(self._finish(message, self._done_event), name="controller.finish")
         elif isinstance(message, EvalResult):
             self.evals.mark_completed(message)
             self.record.eval(message, step=self.version_steps.get(message.requested_version, 0), t=stored_at(raw))
@@ -620,7 +757,8 @@ class Controller(Actor):
             await self._refuse(raw, f"{message.KIND}: not a weights_held on {raw.subject}", replaying=replaying)
             return
         if not replaying:
-            await self._heard_from(message.worker_id)
+            async with self.gate.outside():
+                await self._heard_from(message.worker_id)
         workers = _Anyone() if replaying else self.live_workers()
         refusal = trust.held_refusal(message, workers=workers, newest=self.trainer_version)
         if refusal is not None:

@@ -35,7 +35,7 @@ from typing import Any
 import structlog
 
 from miles.bus.client import Bus
-from miles.bus.schema import EvalResult, EvalShardResult, EvalTask
+from miles.bus.schema import EvalResult, EvalShardResult, EvalTask, EvaluationPart
 from miles.tasks.base import Sample
 
 log = structlog.get_logger(__name__)
@@ -52,6 +52,35 @@ class _Pending:
     result: EvalResult | None = None
     requested: bool = False  # shards published by this controller (not only restored from the streams)
     reissued: dict[int, int] = field(default_factory=dict)  # shard -> times issued again after a refused result
+    counted: set[int] = field(default_factory=set)  # shards counted whose results were let go (once complete)
+
+    def has(self, shard: int) -> bool:
+        """Whether ``shard``'s result is counted already."""
+        return shard in self.results or shard in self.counted
+
+    def part(self, eval_id: str) -> EvaluationPart:
+        """This evaluation as a part of the controller's snapshot: a complete one keeps its result and which
+        shards it counted, not their results (a snapshot stays small however many evaluations a run had)."""
+        done = self.result is not None and self.done.is_set()
+        return EvaluationPart(
+            eval_id=eval_id,
+            version=self.version,
+            sizes=list(self.sizes),
+            results=[] if done else list(self.results.values()),
+            counted=sorted(self.counted | set(self.results)) if done else sorted(self.counted),
+            reissued=sorted(self.reissued.items()),
+            result=self.result if done else None,
+        )
+
+    @classmethod
+    def from_part(cls, part: EvaluationPart) -> _Pending:
+        pending = cls(part.version, list(part.sizes), {r.shard: r for r in part.results})
+        pending.counted = set(part.counted)
+        pending.reissued = dict(part.reissued)
+        if part.result is not None:
+            pending.result = part.result
+            pending.done.set()
+        return pending
 
 
 class EvalCoordinator:
@@ -154,7 +183,7 @@ class EvalCoordinator:
         pending = self.pending.get(result.eval_id)
         if pending is None or pending.done.is_set() or result.shard >= len(pending.sizes):
             return False
-        if result.shard in pending.results or result.claim != self.claim(result.eval_id, result.shard):
+        if pending.has(result.shard) or result.claim != self.claim(result.eval_id, result.shard):
             return False
         attempt = pending.reissued.get(result.shard, 0) + 1
         if attempt > MAX_REISSUES:
@@ -173,7 +202,7 @@ class EvalCoordinator:
             pending = self._restored(result.eval_id, int(result.eval_id[1:]))
         if pending is None:
             return f"eval {result.eval_id!r} was never requested"
-        if result.shard >= len(pending.sizes) or result.shard in pending.results:
+        if result.shard >= len(pending.sizes) or pending.has(result.shard):
             return f"shard {result.shard} of {result.eval_id} is out of range or counted already"
         if not hmac.compare_digest(result.claim, self.claim(result.eval_id, result.shard)):
             return f"shard {result.shard} of {result.eval_id}: not the shard's claim (its sender did not take it)"
@@ -226,6 +255,18 @@ class EvalCoordinator:
         except asyncio.TimeoutError:
             return None
         return pending.result
+
+    def parts(self) -> list[EvaluationPart]:
+        """Every evaluation known, as parts of the controller's snapshot."""
+        return [pending.part(eval_id) for eval_id, pending in self.pending.items()]
+
+    def restore(self, parts: list[EvaluationPart]) -> None:
+        """Take the evaluations of a snapshot (none is marked requested: a restart requests those due again)."""
+        self.pending = {part.eval_id: _Pending.from_part(part) for part in parts}
+
+    def open_versions(self) -> list[int]:
+        """Versions of the evaluations known and not complete."""
+        return [p.version for p in self.pending.values() if not p.done.is_set()]
 
     def stats(self) -> dict[str, Any]:
         return {"evals_pending": float(sum(not p.done.is_set() for p in self.pending.values()))}

@@ -1,7 +1,8 @@
 """The run directory's record: metrics.jsonl, evals.jsonl, the group ledger, and summary.json.
 
-Written by the controller only, as a fold over the durable METRICS and EVENTS streams: the controller
-replays both at every start (:meth:`RunRecord.begin_rebuild` empties the files first), so after any number
+Written by the controller only, as a fold over the durable METRICS and EVENTS streams: at every start the
+controller takes its newest snapshot (the record's totals and the files' sizes then) and replays what the streams
+stored after it (:meth:`RunRecord.begin_rebuild` cuts the files back to those sizes first), so after any number
 of controller restarts the files hold each step, evaluation and group event once, exactly as an
 uninterrupted run writes them. Times come from the stream (when the server stored the message), not from
 when the controller read it, so a rebuilt line is the line first written. The one field that does not
@@ -19,8 +20,12 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from miles.bus.schema import EvalResult, GroupsIssued, StepMetrics
+import structlog
+
+from miles.bus.schema import EvalResult, GroupsIssued, RecordPart, StepMetrics
 from miles.training.lineage import IndexSet
+
+log = structlog.get_logger(__name__)
 
 # Step metrics that are not per-step means of their own but counts summed into summary.json.
 EPISODE_SUMS = (
@@ -121,22 +126,34 @@ class RunRecord:
         # TensorBoard event files (and W&B, offline unless configured) of the same scalars, to overlay runs.
         self.scalars = RunScalars(run_dir, run_name=run_name or run_dir.name, wandb=wandb, config=config)
 
-    def begin_rebuild(self) -> None:
-        """Start the fold over: empty metrics.jsonl, evals.jsonl and the ledger (the replay of the streams writes
-        them again), remembering the old step lines for what the streams do not hold. While rebuilding, the
+    def begin_rebuild(self, file_sizes: dict[str, int] | None = None) -> None:
+        """Start the fold over: cut metrics.jsonl, evals.jsonl and the ledger back to ``file_sizes`` (what a
+        snapshot had written; None: empty them) so that the replay of the streams after it writes the rest again,
+        remembering the old step lines past the cut for what the streams do not hold. While rebuilding, the
         TensorBoard scalars (written by the controller's earlier life) are not written again."""
         self._previous_lines = {}
-        if self.metrics_path.exists():
-            for line in self.metrics_path.read_text().splitlines():
-                try:
-                    row = json.loads(line)
-                    self._previous_lines[int(row["step"])] = row
-                except (ValueError, KeyError, TypeError):
-                    continue  # a torn last line of a killed controller: the stream has the step
         self._close_files()
+        sizes = file_sizes or {}
         for path in (self.metrics_path, self.evals_path, self.ledger_path):
-            path.write_text("")
+            keep = sizes.get(path.name, 0)
+            with open(path, "a+b") as f:
+                f.seek(0, os.SEEK_END)
+                if f.tell() < keep:  # not the directory the run wrote: the lines before the snapshot are lost
+                    log.error("record_lines_lost", file=str(path), size=f.tell(), snapshot_size=keep)
+                    continue  # summary.json is exact (the snapshot's totals); the file holds what it holds
+                if path == self.metrics_path:
+                    f.seek(keep)
+                    self._remember_lines(f.read())
+                f.truncate(keep)
         self.rebuilding = True
+
+    def _remember_lines(self, data: bytes) -> None:
+        for line in data.decode("utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+                self._previous_lines[int(row["step"])] = row
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line of a killed controller: the stream has the step
 
     def end_rebuild(self) -> None:
         self.rebuilding = False
@@ -231,6 +248,47 @@ class RunRecord:
         self._append(self.evals_path, line)
         if not self.rebuilding:
             self.scalars.eval(msg.accuracy, step)
+
+    def part(self) -> RecordPart:
+        """The record's totals and file sizes, as a part of the controller's snapshot (flushed first, so the
+        sizes are of lines written)."""
+        for f in self._files.values():
+            f.flush()
+        version_of = {step: version for version, step in self.eval_versions.items()}
+        return RecordPart(
+            evals=[(step, acc, self.eval_lengths[step], version_of.get(step, -1)) for step, acc in self.evals.items()],
+            staleness=(self.staleness.total, self.staleness.count, self.staleness.max),
+            groups_trained=self.groups_trained,
+            samples_trained=self.samples_trained,
+            dropped=self.dropped,
+            requeued=self.requeued,
+            discard_reasons=dict(self.discard_reasons),
+            discarded_tokens=dict(self.discarded_tokens),
+            episode_sums=dict(self.episode_sums),
+            steps_floor=self.steps_seen.floor,
+            steps_above=sorted(self.steps_seen.above),
+            steps_replayed=self.steps_replayed,
+            groups_issued=self.groups_issued,
+            file_sizes={
+                path.name: path.stat().st_size if path.exists() else 0
+                for path in (self.metrics_path, self.evals_path, self.ledger_path)
+            },
+        )
+
+    def restore(self, part: RecordPart) -> None:
+        """Take the totals of a snapshot (before :meth:`begin_rebuild` with its file sizes)."""
+        for step, accuracy, length, version in part.evals:
+            self.evals[step], self.eval_lengths[step] = accuracy, length
+            if version >= 0:
+                self.eval_versions[version] = step
+        self.staleness.total, self.staleness.count, self.staleness.max = part.staleness
+        self.groups_trained, self.samples_trained = part.groups_trained, part.samples_trained
+        self.dropped, self.requeued = part.dropped, part.requeued
+        self.discard_reasons = dict(part.discard_reasons)
+        self.discarded_tokens = dict(part.discarded_tokens)
+        self.episode_sums = dict(part.episode_sums)
+        self.steps_seen = IndexSet.from_json({"floor": part.steps_floor, "above": part.steps_above})
+        self.steps_replayed, self.groups_issued = part.steps_replayed, part.groups_issued
 
     def close(self) -> None:
         """Close the record's files and the TensorBoard / W&B writers (idempotent)."""

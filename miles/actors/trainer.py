@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 
 from miles.actors import trust
 from miles.actors.base import Actor, keep_in_progress
+from miles.actors.retention import TrainerRetention, traj_ack_floor
 from miles.actors.trainer_intake import Examined, TrajectoryIntake, on_thread_if
 from miles.actors.trainer_ranks import LeaderRanks
 from miles.algo.advantages import ADVANTAGES
@@ -90,6 +91,12 @@ class TrainerLeader(Actor):
         # step, so every resolved trajectory's failures are counted once, trained or not.
         self._discarded_failures = {"reward_failed": 0.0, "infra_excluded": 0.0, "groups_filtered": 0.0}
         self._last_checkpoint_step = 0
+        # bus.retention recovery: trajectories no kept checkpoint needs are purged once a checkpoint completes
+        self.retention = (
+            TrainerRetention(self.bus, lambda: self.ranks.run(self.ranks.worker.checkpoints.oldest_extra))
+            if self.cfg.bus.retention == "recovery"
+            else None
+        )
         self.audit: TrajectoryAudit | None = None  # trainer.audit: built at start (it loads the task and tokenizer)
         self._seen_seqs = RecentSet(keep=1 << 16)  # TRAJ sequences handled since this trainer started
         # Versions whose weights the ranks keep for the log-prob audit (as many as miles.training.snapshots keeps).
@@ -140,8 +147,9 @@ class TrainerLeader(Actor):
         finally:
             await sub.unsubscribe()
         if self.lineage.step > self._last_checkpoint_step:  # done, or draining: nothing trained is redone
-            await self.ranks.call("save_checkpoint", self.lineage.step, self._checkpoint_extra())
+            await self.ranks.call("save_checkpoint", self.lineage.step, await self._checkpoint_extra())
         await self.ranks.call("close")
+        await self._release()
         if self.lineage.step >= cfg.trainer.steps:
             await self.beat()  # the final counts first: the controller writes the summary from them
             done = TrainerDone(policy_version=self.lineage.version, steps=self.lineage.step)
@@ -465,10 +473,12 @@ class TrainerLeader(Actor):
         await asyncio.gather(*(self.bus.ack(m) for m in msgs))
         for t in trajs:
             self.resolved.add(t.issue_index)
-        await self.ranks.run(self.ranks.worker.poll_checkpoint)
+        if await self.ranks.run(self.ranks.worker.poll_checkpoint) is not None:
+            await self._release()
         if self.ranks.worker.checkpoints.due(step):
-            await self.ranks.call("save_checkpoint", step, self._checkpoint_extra())
+            await self.ranks.call("save_checkpoint", step, await self._checkpoint_extra())
             self._last_checkpoint_step = step
+            await self._release()  # a synchronous save is complete now (an asynchronous one: a no-op)
         self.log.info(
             "step",
             step=step - 1,
@@ -490,11 +500,18 @@ class TrainerLeader(Actor):
         self.lineage.advance(version, step)
         return version
 
-    def _checkpoint_extra(self) -> dict[str, Any]:
+    async def _release(self) -> None:
+        if self.retention is not None:
+            await self.retention.release()
+
+    async def _checkpoint_extra(self) -> dict[str, Any]:
         return {
             "step": self.lineage.step,
             "version": self.lineage.version,
             "events_seq": self.events_seq,
+            # every trajectory at or below it is trained into this step (or before) or discarded: a restart from
+            # here reads none of them (miles.actors.retention)
+            "traj_floor": await traj_ack_floor(self.bus),
             "resolved": self.resolved.to_json(),
             "lineage": self.lineage.to_json(),
             # workers the reward audit stopped believing stay excluded after a restart

@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 
-from miles.bus.schema import WeightsAnnounced, WeightsHeld
+from miles.bus.schema import AuditPart, WeightsAnnounced, WeightsHeld
 
 log = structlog.get_logger(__name__)
 
@@ -115,6 +115,27 @@ class WeightAudit:
                 for m in self.recent_mismatches
             ],
         }
+
+    def part(self) -> AuditPart:
+        """The audit as a part of the controller's snapshot."""
+        return AuditPart(
+            announced=[(v, sorted(digests)) for v, digests in sorted(self.announced.items())],
+            held=list(self.held.values()),
+            verified=self.verified,
+            mismatches=self.mismatches,
+            unverifiable=self.unverifiable,
+            last_verified=dict(self.last_verified),
+            recent_mismatches=[(m.worker_id, m.version, list(m.expected), m.got) for m in self.recent_mismatches],
+        )
+
+    def restore(self, part: AuditPart) -> None:
+        """Take the state of a snapshot (a fresh audit: nothing fed yet)."""
+        self.announced = {v: set(digests) for v, digests in part.announced}
+        self.held = OrderedDict(enumerate(part.held))
+        self._held_seq = len(part.held)
+        self.verified, self.mismatches, self.unverifiable = part.verified, part.mismatches, part.unverifiable
+        self.last_verified = dict(part.last_verified)
+        self.recent_mismatches.extend(Mismatch(w, v, tuple(e), g) for w, v, e, g in part.recent_mismatches)
 
     # ------------------------------------------------------------------ internals
 

@@ -108,6 +108,7 @@ KEY_TRAINER_VERSION = "trainer_version"
 KEY_STATUS = "status"
 KEY_RUN_INSTANCE = "run_instance"
 KEY_GROUPS_ISSUED = "groups_issued"  # the controller's count of issued groups: the trainer's issue window
+KEY_TRAINER_FLOOR = "trainer_floor"  # JSON {"events": seq, "traj": seq}: where a restart from a checkpoint reads
 
 
 @dataclass(slots=True)

@@ -470,6 +470,94 @@ class TrainerDone(Message):
     steps: Count
 
 
+# --------------------------------------------------------------------------- the controller's snapshot
+
+
+class _Part(BaseModel):
+    """A part of a snapshot (not a message of its own). Integer-keyed maps travel as pairs: msgpack maps on
+    the bus have string keys only."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AdmissionPart(_Part):
+    issued: Count
+    discarded: Count
+    cursor: Count
+    reissue: list[str]
+    reissue_attempts: dict[str, Count]
+    resolved_floor: Count = Field(description="Issue indices below this are trained or discarded ...")
+    resolved_above: list[Count] = Field(description="... and these above it.")
+    discards_seq: Count
+
+
+class AuditPart(_Part):
+    announced: list[tuple[Version, list[str]]] = Field(description="Version -> digests announced for it.")
+    held: list[WeightsHeld] = Field(description="Reports waiting for their announcement, oldest first.")
+    verified: Count
+    mismatches: Count
+    unverifiable: Count
+    last_verified: dict[str, Version]
+    recent_mismatches: list[tuple[str, Version, list[str], str]] = Field(
+        description="(worker, version, expected digests, got), oldest first."
+    )
+
+
+class EvaluationPart(_Part):
+    eval_id: str
+    version: Version
+    sizes: list[Count] = Field(description="Samples per shard, as issued.")
+    results: list[EvalShardResult] = Field(description="Shard results counted (while the evaluation is open).")
+    counted: list[Count] = Field(description="Shards counted (of a completed evaluation, whose results are gone).")
+    reissued: list[tuple[Count, Count]] = Field(description="Shard -> times issued again after a refused result.")
+    result: EvalResult | None = Field(description="Its result, once complete.")
+
+
+class RecordPart(_Part):
+    evals: list[tuple[Count, float, float, Version]] = Field(
+        description="(step, accuracy, mean completion tokens, requested version) per recorded evaluation."
+    )
+    staleness: tuple[Count, Count, Count] = Field(description="Sum, count and maximum of trained groups' staleness.")
+    groups_trained: Count
+    samples_trained: Count
+    dropped: Count
+    requeued: Count
+    discard_reasons: dict[str, Count]
+    discarded_tokens: dict[str, Count]
+    episode_sums: dict[str, float]
+    steps_floor: Count = Field(description="Steps below this are recorded ...")
+    steps_above: list[Count] = Field(description="... and these above it.")
+    steps_replayed: Count
+    groups_issued: Count
+    file_sizes: dict[str, Count] = Field(description="Bytes of metrics.jsonl, evals.jsonl, groups.jsonl at the cut.")
+
+
+class ControllerSnapshot(Message):
+    """The controller's state as the fold of EVENTS and METRICS up to ``positions``. Subject
+    ``<run>.snapshot.controller``, every ``bus.snapshot_every_steps`` steps: a restarted controller reads the newest
+    one and replays only what was stored after it, so its restart costs the same at any run length and nothing
+    older than the snapshot need be kept (docs/architecture.md, "Controller snapshots")."""
+
+    KIND: ClassVar[str] = "controller_snapshot"
+    positions: dict[str, Count] = Field(
+        description="Per subject of EVENTS (weights, discarded, weights_held, eval_results) and for METRICS: the "
+        "sequence of the last message folded in."
+    )
+    admission: AdmissionPart
+    last_batch: GroupsIssued | None = Field(description="The newest issue record (published again at a restart).")
+    trainer_version: Version
+    trainer_step: Count
+    version_steps: list[tuple[Version, Count]] = Field(description="Announced version -> its step, oldest first.")
+    sync_bytes: dict[str, dict[str, Count]] = Field(description="Per sync mode: versions, bytes and max announced.")
+    audit: AuditPart
+    evaluations: list[EvaluationPart]
+    due_evals: list[Version] = Field(description="Versions whose evaluation is due and not complete.")
+    trainer_done: TrainerDone | None
+    refused: dict[str, Count] = Field(description="The controller's refusals by category ...")
+    dead_lettered: Count = Field(description="... and in all.")
+    record: RecordPart
+
+
 # --------------------------------------------------------------------------- teacher scoring (distillation)
 
 
@@ -528,6 +616,7 @@ KINDS: dict[str, type[Message]] = {
         TrainerDone,
         TeacherScoreRequest,
         TeacherScoreReply,
+        ControllerSnapshot,
     )
 }
 

@@ -67,7 +67,7 @@ def stream_configs(subjects: Subjects, replicas: int) -> list[StreamConfig]:
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             num_replicas=replicas,
-            max_age=7 * DAY_S,
+            max_age=0,  # none: the trainer purges what no kept checkpoint needs (miles.actors.retention)
             allow_direct=True,  # a restarted trainer reads the batches of its lost steps by sequence
         ),
         # Announcements and metrics are read in order by direct gets (miles.bus.follow), no consumer needed.
@@ -77,7 +77,7 @@ def stream_configs(subjects: Subjects, replicas: int) -> list[StreamConfig]:
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             num_replicas=replicas,
-            max_age=7 * DAY_S,
+            max_age=0,  # none: the controller purges what no restart reads (miles.actors.retention)
             allow_direct=True,
         ),
         StreamConfig(
@@ -86,9 +86,20 @@ def stream_configs(subjects: Subjects, replicas: int) -> list[StreamConfig]:
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             num_replicas=replicas,
-            max_age=30 * DAY_S,
+            max_age=0,  # none: as EVENTS
             allow_direct=True,
             duplicate_window=DEDUPE_WINDOW_S,
+        ),
+        # The controller's snapshots: the newest two (a restart reads the newest; the one before it is kept
+        # while the newest is being written).
+        StreamConfig(
+            name=subjects.snapshot_stream,
+            subjects=[subjects.snapshot],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            num_replicas=replicas,
+            max_msgs_per_subject=2,
+            allow_direct=True,
         ),
         StreamConfig(
             name=subjects.dlq_stream,
@@ -138,7 +149,16 @@ def _already_exists(exc: APIError) -> bool:
 
 def _differs(existing: StreamConfig, wanted: StreamConfig) -> bool:
     """Whether an update is needed: only the fields Miles sets are compared (the server fills in the rest)."""
-    fields = ("subjects", "retention", "storage", "num_replicas", "max_age", "allow_direct", "duplicate_window")
+    fields = (
+        "subjects",
+        "retention",
+        "storage",
+        "num_replicas",
+        "max_age",
+        "allow_direct",
+        "duplicate_window",
+        "max_msgs_per_subject",
+    )
     return any(getattr(wanted, f) is not None and getattr(existing, f) != getattr(wanted, f) for f in fields)
 
 

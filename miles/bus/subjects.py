@@ -78,6 +78,11 @@ class Subjects:
         return f"{self.run}.metrics.done"
 
     @property
+    def snapshot(self) -> str:
+        """The controller's snapshots of its state (ControllerSnapshot): a restart reads the newest."""
+        return f"{self.run}.snapshot.controller"
+
+    @property
     def metrics_all(self) -> str:
         return f"{self.run}.metrics.>"
 
@@ -112,6 +117,10 @@ class Subjects:
     @property
     def metrics_stream(self) -> str:
         return f"{self.run}_METRICS"
+
+    @property
+    def snapshot_stream(self) -> str:
+        return f"{self.run}_SNAPSHOT"
 
     @property
     def dlq_stream(self) -> str:

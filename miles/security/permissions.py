@@ -22,7 +22,7 @@ refusals again on every change); nothing is granted "just in case". Three decisi
   server's ``allow_responses``). A grant on ``_INBOX.<run>.trainer.>`` would let a teacher forge
   replies to the trainer's other requests, pulled trajectories included.
 * **Key-value writes are per key where the owner is known**: only the trainer writes
-  ``trainer_version``; the controller writes every other key of the state bucket.
+  ``trainer_version`` and ``trainer_floor``; the controller writes every other key of the state bucket.
 
 Each run lives in its own NATS account (``MILES_<run>``, see :mod:`miles.security.identities`), so
 JetStream API subjects, which carry no run name for account-wide calls, cannot reach another run.
@@ -117,6 +117,7 @@ class RunNames:
             s.traj_stream,
             s.events_stream,
             s.metrics_stream,
+            s.snapshot_stream,
             s.dlq_stream,
             self.weights_stream,
             self.delta_stream,
@@ -254,6 +255,7 @@ def _trainer(n: RunNames, inbox: str, compat: bool) -> Permissions:
         n.weight_chunks,
         n.delta_chunks,
         kv_subject(s.state_bucket, "trainer_version"),
+        kv_subject(s.state_bucket, "trainer_floor"),
         s.heartbeat("trainer", "*"),
         n.dead_letters("trainer"),
         s.teacher_score,  # on-policy distillation: requests to the teacher actors (core request/reply)
@@ -265,6 +267,9 @@ def _trainer(n: RunNames, inbox: str, compat: bool) -> Permissions:
         # the data plane's writer: stream info lists stored versions, purge drops old ones
         *_info(n.weights_stream, n.delta_stream),
         *[f"{API}.STREAM.PURGE.{st}" for st in (n.weights_stream, n.delta_stream)],
+        # bus.retention recovery: the ack floor a checkpoint records, and the trajectories no kept one needs
+        f"{API}.CONSUMER.INFO.{s.traj_stream}.{s.TRAINER_CONSUMER}",
+        f"{API}.STREAM.PURGE.{s.traj_stream}",
         *_kv_read(s.state_bucket),
     ]
     return Permissions(publish_allow=_unique(publish), subscribe_allow=(s.control, inbox))
@@ -290,6 +295,14 @@ def _controller(n: RunNames, inbox: str, compat: bool) -> Permissions:
         *_msg_get(s.events_stream, s.metrics_stream),
         # an announced version is believed only if the data plane holds it: its manifest, by leader read
         *_msg_get(n.weights_stream, n.delta_stream),
+        # its snapshots: written every few steps, the newest read at a start (in order, the end by leader read);
+        # at a cut, the last sequence of EVENTS (a subject with nothing after its position moves up to it);
+        # bus.retention recovery: what its snapshots and the trainer's checkpoints no longer need is purged
+        s.snapshot,
+        *_direct(s.snapshot_stream),
+        *_msg_get(s.snapshot_stream),
+        *_info(s.events_stream),
+        *[f"{API}.STREAM.PURGE.{st}" for st in (s.events_stream, s.metrics_stream)],
         # queue depths (admission) and the run's dead-letter count
         *_info(*queues, s.dlq_stream),
         *[f"{API}.CONSUMER.INFO.{st}.*" for st in queues],
@@ -308,7 +321,7 @@ def _controller(n: RunNames, inbox: str, compat: bool) -> Permissions:
             ]
     return Permissions(
         publish_allow=_unique(publish),
-        publish_deny=(kv_subject(s.state_bucket, "trainer_version"),),
+        publish_deny=(kv_subject(s.state_bucket, "trainer_version"), kv_subject(s.state_bucket, "trainer_floor")),
         # core subscriptions that wake its in-order readers of EVENTS and METRICS (what it reads is the
         # direct get; a message is believed only from the stream)
         subscribe_allow=(

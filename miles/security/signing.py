@@ -59,6 +59,7 @@ SIGNED_BY: dict[str, Signer] = {
     "eval_result": "controller",
     "groups_issued": "controller",
     "control": "controller",
+    "controller_snapshot": "controller",
 }
 
 

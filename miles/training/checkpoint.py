@@ -202,6 +202,13 @@ class CheckpointManager:
             raise ValueError(f"{path / MARKER}: not a Miles checkpoint marker of step {steps[-1]}: {marker}")
         return path, json.loads((path / EXTRA).read_text())
 
+    def oldest_extra(self) -> tuple[int, dict[str, Any]] | None:
+        """The oldest complete checkpoint kept (the furthest back a restart can go) and its ``extra``, or None."""
+        steps = self.steps()
+        if not steps:
+            return None
+        return steps[0], json.loads((self.path(steps[0]) / EXTRA).read_text())
+
     # ------------------------------------------------------------------ saving (collective)
 
     def save(self, step: int, backend: CheckpointBackend, extra: dict[str, Any]) -> None:

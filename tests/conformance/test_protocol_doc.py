@@ -158,5 +158,12 @@ def test_the_stream_table_is_stream_configs() -> None:
     }
     for c in stream_configs(Subjects(RUN), 1):
         retention = "work queue" if c.retention.value == "workqueue" else "limits"
-        limits = f"max age {int(c.max_age // 86400)} days" if c.max_age else "—"
-        assert rows.get(c.name) == (c.subjects[0], retention, limits.strip(), "yes" if c.allow_direct else "no"), c.name
+        if c.max_age:
+            limits = f"max age {int(c.max_age // 86400)} days"
+        elif (c.max_msgs_per_subject or 0) > 0:
+            limits = f"newest {c.max_msgs_per_subject} messages"
+        else:
+            limits = "—"  # then what bounds it, in words
+        subject, doc_retention, doc_limits, direct = rows[c.name]
+        assert (subject, doc_retention, direct) == (c.subjects[0], retention, "yes" if c.allow_direct else "no"), c.name
+        assert doc_limits.strip().startswith(limits), (c.name, doc_limits)

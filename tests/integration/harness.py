@@ -7,7 +7,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -288,14 +288,19 @@ class StreamRecord:
     evals: dict[int, float]  # step of the evaluated version -> accuracy
     done_steps: int | None
     tickets: dict[str, set[str]]  # group id -> sample ids of every trajectory's ticket (the prompt as played)
+    version_steps: dict[int, int] = field(default_factory=dict)  # announced version -> its step
+    read_up_to: dict[str, int] = field(default_factory=dict)  # per subject read: the last sequence
 
     @property
     def trained(self) -> list[str]:
         return [g for step in sorted(self.steps) for g in self.steps[step]]
 
 
-async def read_stream_record(url: str, cfg: RunConfig, *, role: str = "monitor") -> StreamRecord:
-    """Read METRICS, EVENTS and TRAJ of ``cfg``'s run (with ``cfg.bus``'s credentials, as ``role``)."""
+async def read_stream_record(
+    url: str, cfg: RunConfig, *, role: str = "monitor", after: StreamRecord | None = None
+) -> StreamRecord:
+    """Read METRICS, EVENTS and TRAJ of ``cfg``'s run (with ``cfg.bus``'s credentials, as ``role``); ``after``: go
+    on from a record read earlier (what the streams held then, though they may have purged it since)."""
     from miles.bus.client import Bus
     from miles.bus.follow import stored_messages
     from miles.bus.schema import (
@@ -313,17 +318,22 @@ async def read_stream_record(url: str, cfg: RunConfig, *, role: str = "monitor")
 
     bus = await Bus.open(cfg.bus, url, cfg.name, "audit", role=role)
     s = bus.subjects
+    record = after or StreamRecord({}, 0, {}, {}, {}, None, {})
+    version_steps, issued, steps, evals = record.version_steps, record.issued, record.steps, record.evals
+    discarded, tickets, read_up_to = record.discarded, record.tickets, record.read_up_to
+
+    async def read(stream: str, subject: str) -> AsyncIterator[Any]:
+        async for raw in stored_messages(bus.js, stream, subject, after_seq=read_up_to.get(subject, 0)):
+            read_up_to[subject] = raw.seq or 0
+            yield raw
+
     try:
-        version_steps: dict[int, int] = {}
-        async for raw in stored_messages(bus.js, s.events_stream, s.weights):
+        async for raw in read(s.events_stream, s.weights):
             ann = decode(raw.data, WeightsAnnounced)
             version_steps[ann.version] = ann.step
-        issued: dict[str, str] = {}
-        records = 0
-        steps: dict[int, list[str]] = {}
-        evals: dict[int, float] = {}
-        done_steps = None
-        async for raw in stored_messages(bus.js, s.metrics_stream, s.metrics_all):
+        records = record.issue_records
+        done_steps = record.done_steps
+        async for raw in read(s.metrics_stream, s.metrics_all):
             msg = decode_any(raw.data)
             if isinstance(msg, GroupsIssued):
                 records += 1
@@ -335,19 +345,17 @@ async def read_stream_record(url: str, cfg: RunConfig, *, role: str = "monitor")
                 evals.setdefault(version_steps.get(msg.requested_version, 0), msg.accuracy)
             elif isinstance(msg, TrainerDone):
                 done_steps = msg.steps
-        discarded: dict[str, bool] = {}
-        async for raw in stored_messages(bus.js, s.events_stream, s.discarded):
+        async for raw in read(s.events_stream, s.discarded):
             d = decode(raw.data, GroupsDiscarded)
             for gid in d.group_ids:
                 assert gid not in discarded, f"{gid} discarded twice"
                 discarded[gid] = d.requeue
-        tickets: dict[str, set[str]] = {}
         if role != "monitor":  # the monitor may not read trajectories
-            async for raw in stored_messages(bus.js, s.traj_stream, s.traj):
+            async for raw in read(s.traj_stream, s.traj):
                 traj = decode(raw.data, Trajectory)
                 if traj.ticket:
                     tickets.setdefault(traj.group_id, set()).add(decode(traj.ticket, PromptGroup).sample_id)
-        return StreamRecord(issued, records, steps, discarded, evals, done_steps, tickets)
+        return StreamRecord(issued, records, steps, discarded, evals, done_steps, tickets, version_steps, read_up_to)
     finally:
         await bus.close()
 

@@ -13,17 +13,28 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import nats
 import pytest
 
+from miles.actors.snapshots import newest_snapshot
+from miles.bus.client import Bus
 from miles.bus.cluster import NatsCluster
 from miles.bus.retry import Outage, resilient_jetstream
+from miles.bus.schema import ControllerSnapshot
 from miles.bus.server import EmbeddedNats
 from miles.bus.streams import ensure_run_streams
 from miles.bus.subjects import Subjects
 from miles.ports import free_port
 from miles.prepare import prepare
-from tests.integration.harness import Cluster, check_stream_accounting, read_stream_record, small_run_config
+from tests.integration.harness import (
+    Cluster,
+    StreamRecord,
+    check_stream_accounting,
+    read_stream_record,
+    small_run_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -43,14 +54,21 @@ def _run(cfg_name: str, model_cache: Path, **overrides: object):  # noqa: ANN202
     return cfg
 
 
-def _finish(cluster: Cluster, url: str, killed: tuple[str, ...] = (), timeout_s: float = 240) -> None:
-    """Wait for the end of the run: every actor the test did not kill exits 0 by itself."""
+def _finish(
+    cluster: Cluster,
+    url: str,
+    killed: tuple[str, ...] = (),
+    timeout_s: float = 240,
+    read_before: StreamRecord | None = None,
+) -> None:
+    """Wait for the end of the run: every actor the test did not kill exits 0 by itself. ``read_before``: the
+    streams as read before part of them was purged (the accounting goes on from it)."""
     cluster.wait_for(lambda: (cluster.run_dir / "summary.json").exists(), timeout_s, "the end of the run")
     cluster.wait_all_exit(120)  # an actor mid-retry when the run ends finishes its attempt first
     for name, proc in cluster.procs.items():
         expected = -9 if name in killed else 0
         assert proc.returncode == expected, f"{name} exited {proc.returncode}:\n{cluster.log(name)[-2000:]}"
-    record = asyncio.run(read_stream_record(url, cluster.cfg, role="controller"))
+    record = asyncio.run(read_stream_record(url, cluster.cfg, role="controller", after=read_before))
     check_stream_accounting(cluster, record)
 
 
@@ -197,3 +215,127 @@ def test_the_controller_killed_three_times(tmp_path: Path, model_cache: Path) ->
     lines = [json.loads(line) for line in (cluster.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in lines] == sorted(row["step"] for row in lines)
     assert "controller_rebuilt" in cluster.log("controller-3")
+
+
+async def _newest_snapshot(url: str, cfg: Any) -> ControllerSnapshot | None:
+    bus = await Bus.open(cfg.bus, url, cfg.name, "audit", role="controller")
+    try:
+        return await newest_snapshot(bus)
+    finally:
+        await bus.close()
+
+
+async def _purge_to(url: str, cfg: Any, snapshot: ControllerSnapshot) -> dict[str, int]:
+    """Purge EVENTS and METRICS of everything the snapshot holds (as stream limits would); returns the first
+    sequence each keeps."""
+    nc = await nats.connect(url)
+    try:
+        js, s = nc.jetstream(), Subjects(cfg.name)
+        keep = {
+            s.metrics_stream: snapshot.positions["metrics"] + 1,
+            s.events_stream: min(v for k, v in snapshot.positions.items() if k != "metrics") + 1,
+        }
+        for stream, first in keep.items():
+            await js.purge_stream(stream, seq=first)
+            assert (await js.stream_info(stream)).state.first_seq >= first
+        return keep
+    finally:
+        await nc.close()
+
+
+def test_a_controller_restarted_on_streams_purged_to_its_snapshot(tmp_path: Path, model_cache: Path) -> None:
+    """The controller writes a snapshot every 3 steps. With the trainer frozen before its 8th step (of 12), the
+    controller is killed once its snapshot of 6 steps is stored, and EVENTS and METRICS are purged of everything
+    that snapshot holds. The restarted controller takes the snapshot and the few messages after it: no step
+    report refused, no group id issued twice, discards and admission credits exact, and summary.json equals the
+    streams (as read before the purge, and after)."""
+    server = EmbeddedNats(tmp_path / "bus")
+    server.start_sync()
+    # The test purges the streams itself (as stream limits would): the actors purge nothing (bus.retention all).
+    sets = {"trainer.steps": 12, "eval.every": 4, "bus.snapshot_every_steps": 3, "bus.retention": "all"}
+    cfg = _run("purged", model_cache, **sets)
+    cluster = Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=server.url)
+    try:
+        cluster.start_all(trainer_failpoints=FREEZE_EVERY.format(n=8))  # frozen before step 7 (0-based)
+        cluster.wait_stopped("trainer-0", 240, "the trainer's 8th step")
+        cluster.wait_for(
+            lambda: (
+                (snap := asyncio.run(_newest_snapshot(server.url, cfg))) is not None and snap.record.steps_floor >= 6
+            ),
+            60,
+            "a snapshot of 6 steps",
+        )
+        cluster.kill("controller")
+        snapshot = asyncio.run(_newest_snapshot(server.url, cfg))
+        assert snapshot is not None
+        read_before = asyncio.run(read_stream_record(server.url, cfg, role="controller"))
+        kept = asyncio.run(_purge_to(server.url, cfg, snapshot))
+        cluster.start("controller-1", "controller", "--actor-id", "controller")
+        cluster.resume("trainer-0")
+        _finish(cluster, server.url, killed=("controller",), read_before=read_before)
+    finally:
+        cluster.stop()
+        server.stop_sync()
+    assert all(first > 1 for first in kept.values()), (kept, snapshot.positions)  # the purge took from both
+    rebuilt = [json.loads(line) for line in cluster.log("controller-1").splitlines() if "controller_rebuilt" in line]
+    assert rebuilt and rebuilt[0]["snapshot_step"] == snapshot.record.steps_floor
+    _nothing_refused(cluster)
+    lines = [json.loads(line) for line in (cluster.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in lines] == list(range(cfg.trainer.steps))
+
+
+async def _stream_states(url: str, cfg: Any) -> dict[str, Any]:
+    nc = await nats.connect(url)
+    try:
+        js, s = nc.jetstream(), Subjects(cfg.name)
+        return {name: (await js.stream_info(name)).state for name in (s.traj_stream, s.events_stream, s.metrics_stream)}
+    finally:
+        await nc.close()
+
+
+def test_the_streams_keep_only_what_a_restart_needs(tmp_path: Path, model_cache: Path) -> None:
+    """bus.retention recovery (the default), a checkpoint and a controller snapshot every 3 steps of 24: the
+    trainer purges the trajectories its oldest kept checkpoint no longer needs, the controller the events and
+    metrics its snapshots hold. The trainer (frozen before its 14th step) and the controller are both killed
+    and restarted on what is left: the run completes with every step recorded once and nothing refused."""
+    server = EmbeddedNats(tmp_path / "bus")
+    server.start_sync()
+    sets = {"trainer.steps": 24, "eval.every": 8, "trainer.checkpoint_every": 3, "bus.snapshot_every_steps": 3}
+    cfg = _run("bounded", model_cache, **sets)
+    cluster = Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=server.url)
+    try:
+        cluster.start_all(trainer_failpoints=FREEZE_EVERY.format(n=14))
+        cluster.wait_stopped("trainer-0", 240, "the trainer's 14th step")
+        # 13 steps trained: checkpoints after 3, 6, 9 and 12, and at least two snapshots once 13 are recorded
+        cluster.wait_for(
+            lambda: all(state.first_seq > 1 for state in asyncio.run(_stream_states(server.url, cfg)).values()),
+            60,
+            "every stream purged of its start",
+        )
+        purged = asyncio.run(_stream_states(server.url, cfg))
+        cluster.kill("trainer-0")
+        cluster.kill("controller")
+        cluster.start("controller-1", "controller", "--actor-id", "controller")
+        cluster.start_trainer(suffix="-1")
+        cluster.wait_for(lambda: (cluster.run_dir / "summary.json").exists(), 240, "the end of the run")
+        cluster.wait_all_exit(120)
+        states = asyncio.run(_stream_states(server.url, cfg))
+    finally:
+        cluster.stop()
+        server.stop_sync()
+    for name, proc in cluster.procs.items():
+        expected = -9 if name in ("trainer-0", "controller") else 0
+        assert proc.returncode == expected, f"{name} exited {proc.returncode}:\n{cluster.log(name)[-2000:]}"
+    # each stream went on losing its start after the restarts
+    assert all(states[name].first_seq > purged[name].first_seq for name in states), (purged, states)
+    assert "trainer_recovering" in cluster.log("trainer-1-0") or "trainer_resumed" in cluster.log("trainer-1-0")
+    summary = cluster.summary()
+    assert summary["status"] == "complete" and summary["steps"] == cfg.trainer.steps
+    _nothing_refused(cluster)
+    lines = [json.loads(line) for line in (cluster.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(row["step"] for row in lines) == list(range(cfg.trainer.steps))
+    ledger = cluster.ledger()
+    issued = [r["group_id"] for r in ledger if r["event"] == "issued"]
+    assert len(issued) == len(set(issued)) == summary["groups_issued"]
+    trained = [r["group_id"] for r in ledger if r["event"] == "trained"]
+    assert len(trained) == len(set(trained)) == summary["trajectories_trained"]

@@ -193,6 +193,11 @@ async def trainer_duties(trainer: Session, rollout: Session, controller: Session
     (msg,) = await sub.fetch(1, timeout=5)
     assert (await trainer.js.get_msg(S.traj_stream, seq=ack.seq, direct=True)).data == msg.data
     await msg.ack_sync()
+    # bus.retention recovery: the ack floor a checkpoint records, the trajectories no kept checkpoint needs
+    assert (await trainer.js.consumer_info(S.traj_stream, S.TRAINER_CONSUMER)).ack_floor.stream_seq == ack.seq
+    await kv.put("trainer_floor", b'{"events": 0, "traj": 0}')
+    await trainer.js.purge_stream(S.traj_stream, seq=ack.seq + 1)
+    assert (await trainer.js.stream_info(S.traj_stream)).state.messages == 0
     for s in (sub, control):
         await s.unsubscribe()
 
@@ -238,6 +243,14 @@ async def controller_duties(controller: Session, trainer: Session, rollout: Sess
     await controller.js.publish(S.control, pack("control", command="stop"))
     assert (await control.next_msg(timeout=5)).subject == S.control
     assert (await controller.js.stream_info(S.dlq_stream)).state.messages == 1
+    # its snapshots, written and read back; the events and metrics they hold, purged (bus.retention recovery)
+    await controller.js.publish(S.snapshot, pack("controller_snapshot"))
+    assert await next_message(controller.js, S.snapshot_stream, S.snapshot, 0, leader=True) is not None
+    assert await next_message(controller.js, S.snapshot_stream, S.snapshot, 0) is not None
+    last = (await controller.js.stream_info(S.events_stream)).state.last_seq
+    await controller.js.purge_stream(S.events_stream, seq=last)
+    await controller.js.purge_stream(S.metrics_stream, seq=2)
+    assert (await controller.js.stream_info(S.events_stream)).state.first_seq == last
     for stream, durable in (
         (S.prompts_stream, S.ROLLOUT_CONSUMER),
         (NAMES.evalq_stream, NAMES.ROLLOUT_EVAL_CONSUMER),
@@ -419,6 +432,8 @@ TRAINER_ONLY = [
     S.done,
     S.discarded,
     f"$KV.{S.state_bucket}.trainer_version",
+    f"$KV.{S.state_bucket}.trainer_floor",
+    f"$JS.API.STREAM.PURGE.{S.traj_stream}",
     S.heartbeat("trainer", "t0"),
     f"{RUN}.dlq.trainer.x",
     S.teacher_score,
@@ -433,6 +448,9 @@ CONTROLLER_ONLY = [
     f"$KV.{NAMES.runinfo_bucket}.tokenizer",
     S.heartbeat("controller", "c0"),
     f"{RUN}.dlq.controller.x",
+    S.snapshot,
+    f"$JS.API.STREAM.PURGE.{S.events_stream}",
+    f"$JS.API.STREAM.PURGE.{S.metrics_stream}",
 ]
 ROLLOUT_ONLY = [S.traj, S.weights_held, NAMES.eval_results, S.heartbeat("rollout", "r0"), f"{RUN}.dlq.rollout.x"]
 NOBODY = [

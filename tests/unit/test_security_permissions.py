@@ -71,8 +71,9 @@ def test_only_the_trainer_asks_the_teachers_and_only_teachers_answer_once() -> N
 
 def test_kv_keys_have_one_writer() -> None:
     controller = role_permissions(RUN, "controller")
-    assert f"$KV.{RUN}_STATE.trainer_version" in controller.publish_deny
-    assert [s for s in publishes("trainer") if s.startswith("$KV.")] == [f"$KV.{RUN}_STATE.trainer_version"]
+    trainer_keys = [f"$KV.{RUN}_STATE.trainer_version", f"$KV.{RUN}_STATE.trainer_floor"]
+    assert all(key in controller.publish_deny for key in trainer_keys)
+    assert [s for s in publishes("trainer") if s.startswith("$KV.")] == trainer_keys
     assert not any(s.startswith("$KV.") for s in publishes("rollout") + publishes("monitor") + publishes("teacher"))
 
 
