@@ -23,6 +23,7 @@ from miles.bus.follow import follow
 from miles.bus.schema import EvalResult, SchemaError, StepMetrics, decode_any
 from miles.config import RunConfig
 from miles.security.signing import SignatureError
+from miles.training.lineage import VersionSteps, versions_kept
 
 
 def is_multi_turn(cfg: RunConfig) -> bool:
@@ -74,7 +75,8 @@ class ProgressView:
         self._task: Any = None
         self.last_eval: float | None = None
         self.multi_turn = is_multi_turn(cfg)
-        self._version_steps: dict[int, int] = {}  # from step reports: step s publishes the version of step s + 1
+        # from step reports (step s publishes the version of step s + 1), the newest versions_kept(eta)
+        self._version_steps = VersionSteps(versions_kept(self.cfg.staleness.max_staleness))
         self._print_every = max(1, cfg.trainer.steps // 20)  # plain (non-terminal) output: ~20 lines
 
     async def start(self) -> None:
@@ -138,7 +140,7 @@ class ProgressView:
         self.console.print(eval_line(message, self._eval_step(message)))  # above the bar when it is live
 
     def _show_step(self, message: StepMetrics) -> None:
-        self._version_steps[message.policy_version] = message.step + 1
+        self._version_steps.learn(message.policy_version, message.step + 1)
         if message.metrics.get("turns_mean", 0.0) > 1.0:
             self.multi_turn = True  # a task whose episodes turn out to have several turns
         info = step_info(message, multi_turn=self.multi_turn, last_eval=self.last_eval)

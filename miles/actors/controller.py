@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import json
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -70,13 +69,13 @@ from miles.failpoints import failpoint
 from miles.security.signing import SignatureError
 from miles.sync.transport.dataplane import WeightStore
 from miles.training.audit import AUDIT_KEYS, GAP_MAX_KEY, audit_alarm
+from miles.training.lineage import VersionSteps, versions_kept
 
 __all__ = ["AdmissionState", "Controller", "admission_limit"]
 
 # What a snapshot's positions are kept for: METRICS, and each subject of EVENTS the controller folds.
 FOLDED = ("metrics", "weights", "discarded", "weights_held", "eval_results")
 KEY_CONTROLLER_SEEN = "controller_seen"  # JSON {"events": seq, "metrics": seq}: how far the live readers got
-KEEP_VERSIONS = 256  # version -> step entries remembered live (lags of workers a few versions behind)
 VERSION_WAIT_S = 10.0  # how long (connected) a step report or trainer_done may overtake its announcement
 ANNOUNCE_POLL_S = 0.5  # how often that wait looks at the connection
 WORKER_TIMEOUT_S = 60.0  # a rollout worker unheard of for this long is no longer live
@@ -104,7 +103,8 @@ class Controller(Actor):
         self.state = AdmissionState()
         self.trainer_version = -1
         self.trainer_step = 0
-        self.version_steps: OrderedDict[int, int] = OrderedDict()  # announced version -> its lineage step
+        # announced version -> its lineage step, the newest versions_kept(eta) (the audit keeps as many)
+        self.version_steps = VersionSteps(versions_kept(self.cfg.staleness.max_staleness))
         self._version_changed = asyncio.Condition()
         self._versions_idle = asyncio.Event()  # set while the announcement reader has read all there is
         self._eval_recorded = asyncio.Condition()  # notified when an EvalResult read from METRICS is recorded
@@ -115,7 +115,7 @@ class Controller(Actor):
         self.record = RunRecord(
             self.run_dir, run_name=self.cfg.name, wandb=self.cfg.monitor.wandb, config=self.cfg.model_dump(mode="json")
         )
-        self.audit = WeightAudit(logger=self.log)
+        self.audit = WeightAudit(versions_kept(self.cfg.staleness.max_staleness), logger=self.log)
         # mode -> {versions, bytes, max} of the announced payloads (running totals: bounded for any run length)
         self.sync_bytes: dict[str, dict[str, int]] = {}
         self.last_batch: GroupsIssued | None = None  # the newest issue record (republished after a restart)
@@ -267,8 +267,6 @@ class Controller(Actor):
                 await self._on_held(raw, True)
             else:
                 await self._on_eval_shard(raw, True)
-        while len(self.version_steps) > KEEP_VERSIONS:
-            self.version_steps.popitem(last=False)
         self.record.end_rebuild()
         events_seq = max(events_seq, *(at[key] for key in FOLDED if key != "metrics"))
         self._folded = {key: events_seq for key in FOLDED} | {"metrics": metrics_seq}
@@ -304,7 +302,7 @@ class Controller(Actor):
             last_batch=self.last_batch,
             trainer_version=self.trainer_version,
             trainer_step=self.trainer_step,
-            version_steps=list(self.version_steps.items()),
+            version_steps=sorted(self.version_steps.items()),
             sync_bytes={mode: dict(totals) for mode, totals in self.sync_bytes.items()},
             audit=self.audit.part(),
             evaluations=self.evals.parts(),
@@ -321,8 +319,7 @@ class Controller(Actor):
         self.state = AdmissionState.from_part(snapshot.admission)
         self.last_batch = snapshot.last_batch
         self.trainer_version, self.trainer_step = snapshot.trainer_version, snapshot.trainer_step
-        self.version_steps.clear()  # in place: the evaluations look steps up through it
-        self.version_steps.update(snapshot.version_steps)
+        self.version_steps.restore(snapshot.version_steps)  # in place: the evaluations look steps up through it
         self.sync_bytes = {mode: dict(totals) for mode, totals in snapshot.sync_bytes.items()}
         self.audit.restore(snapshot.audit)
         self.evals.restore(snapshot.evaluations)
@@ -557,7 +554,7 @@ class Controller(Actor):
         return info.digest, info.size
 
     def _adopt_step(self, ann: WeightsAnnounced) -> None:
-        self.version_steps[ann.version] = ann.step
+        self.version_steps.learn(ann.version, ann.step)
         self.trainer_version, self.trainer_step = ann.version, ann.step
 
     def _adopt_totals(self, ann: WeightsAnnounced) -> None:
@@ -571,8 +568,6 @@ class Controller(Actor):
         self._adopt_totals(ann)
         first = self.trainer_version < 0
         self._adopt_step(ann)
-        while len(self.version_steps) > KEEP_VERSIONS:
-            self.version_steps.popitem(last=False)
         async with self._version_changed:
             self._version_changed.notify_all()
         self._wake.set()

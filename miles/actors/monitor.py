@@ -78,6 +78,7 @@ from miles.bus.follow import follow, last_message
 from miles.bus.schema import Heartbeat, Message, SchemaError, WeightsAnnounced, decode_any
 from miles.monitoring.state import RunState
 from miles.security.signing import SignatureError
+from miles.training.lineage import VersionSteps, versions_kept
 
 
 def _published_at(raw: Any) -> float:
@@ -112,6 +113,7 @@ class Monitor(Actor):
             rate_window_s=mcfg.rate_window_s,
             reward_points=mcfg.reward_points,
             stale_after_s=max(5.0, 5 * self.cfg.bus.heartbeat_s),
+            versions=VersionSteps(versions_kept(self.cfg.staleness.max_staleness)),
         )
         self.exporter: Any = None
         self._metrics_seq = 0

@@ -53,7 +53,7 @@ from miles.sync.sender import WeightSender, build_sender
 from miles.training.audit import DEFAULT_LOGPROB_TOLERANCE, RewardCheck, TrajectoryAudit, logprob_samples
 from miles.training.batch import build_batch, group_rewards
 from miles.training.intake import RecentSet, classify, judged_version
-from miles.training.lineage import IndexSet, VersionLineage
+from miles.training.lineage import IndexSet, VersionLineage, versions_kept
 from miles.training.recovery import fetch_batch, plan_recovery, read_history
 from miles.training.step import plan_batch
 from miles.training.teacher_client import teacher_client
@@ -70,7 +70,7 @@ class TrainerLeader(Actor):
         super().__init__(*args, **kwargs)
         self.ranks = ranks
         eta = self.cfg.staleness.max_staleness
-        self.lineage = VersionLineage(keep_steps=max(64, 4 * (eta + 1)))
+        self.lineage = VersionLineage(keep_steps=versions_kept(eta))
         self.resolved = IndexSet()  # issue indexes of groups trained or discarded
         self.next_version = 1
         self.events_seq = 0  # EVENTS position of the newest announcement (a checkpoint records it)

@@ -25,10 +25,10 @@ from typing import Any
 import structlog
 
 from miles.bus.schema import AuditPart, WeightsAnnounced, WeightsHeld
+from miles.training.lineage import MIN_VERSIONS_KEPT
 
 log = structlog.get_logger(__name__)
 
-KEEP_VERSIONS = 64  # announced versions remembered: far beyond any staleness bound a worker can lag by
 MAX_HELD = 256  # reports waiting for their announcement
 MAX_RECENT_MISMATCHES = 16
 
@@ -46,7 +46,7 @@ class WeightAudit:
 
     def __init__(
         self,
-        keep_versions: int = KEEP_VERSIONS,
+        keep_versions: int = MIN_VERSIONS_KEPT,  # announced versions remembered (the controller's versions_kept)
         max_held: int = MAX_HELD,
         max_recent: int = MAX_RECENT_MISMATCHES,
         logger: Any = None,

@@ -7,7 +7,7 @@ with synthetic messages. :meth:`RunState.snapshot` is the ``--json`` document (f
 the rich view and the Prometheus exporter.
 
 Lags are in lineage steps, never version differences: versions are unique ids that jump past a
-trainer restart (:mod:`miles.monitoring.versions`).
+trainer restart (:class:`~miles.training.lineage.VersionSteps`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 
 from miles.bus.schema import EvalResult, Heartbeat, StepMetrics, TrainerDone, WeightsAnnounced
 from miles.monitoring.episodes import engine_flags, episode_summary, summed
-from miles.monitoring.versions import VersionSteps
 from miles.training.audit import audit_alarm
+from miles.training.lineage import VersionSteps
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 # Step metrics that count episodes or events of the step: summed over the steps seen into ``trained``.

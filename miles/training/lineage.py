@@ -11,6 +11,11 @@ optimizer steps of rollout batches:
   (back to the fork, then forward), never less than its distance before the restart;
 * an unknown version: ``None`` (refused: it was never published by this trainer, or is too old to matter).
 
+**Every actor's version map** (:class:`VersionSteps`: the controller's, its weight audit's, the monitor's, the
+progress bar's) and the trainer's lineage keep the same number of the newest versions, :func:`versions_kept`:
+tied to the staleness bound, with room for what arrives late about an older version (an evaluation's result,
+a held-weight report, the heartbeat of a worker that fell behind).
+
 **Groups** are numbered by the controller (``g<issue index>``). :class:`IndexSet` keeps the indexes the
 trainer has resolved (trained or discarded) as a floor below which every index is resolved plus the few
 resolved ones above it, so checking "already trained?" stays exact without a set that grows for ever.
@@ -18,6 +23,7 @@ resolved ones above it, so checking "already trained?" stays exact without a set
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +58,57 @@ class IndexSet:
         for index in data["above"]:
             out.add(int(index))
         return out
+
+
+MIN_VERSIONS_KEPT = 256  # an evaluation's result or a lagging worker's report is never this many versions late
+
+
+def versions_kept(max_staleness: int) -> int:
+    """How many of the newest versions every version map and the trainer's lineage remember: four staleness
+    windows, and never fewer than :data:`MIN_VERSIONS_KEPT`."""
+    return max(MIN_VERSIONS_KEPT, 4 * (max_staleness + 1))
+
+
+class VersionSteps(Mapping[int, int]):
+    """``version -> lineage step`` of the ``keep`` newest versions (a version's step turns a worker's version
+    into its lag: versions are unique ids, and a trainer restart publishes new ids at earlier steps)."""
+
+    def __init__(self, keep: int = MIN_VERSIONS_KEPT) -> None:
+        self.keep = keep
+        self._steps: dict[int, int] = {}
+
+    def learn(self, version: int, step: int) -> None:
+        """Record that ``version`` holds ``step`` rollout batches (negative versions are 'none yet')."""
+        if version < 0 or step < 0:
+            return
+        self._steps[version] = step
+        if len(self._steps) > self.keep:  # one over at a time: drop the oldest version
+            del self._steps[min(self._steps)]
+
+    def restore(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """Take ``(version, step)`` pairs (a snapshot's), forgetting what was known."""
+        self._steps = {}
+        for version, step in pairs:
+            self.learn(version, step)
+
+    def step_of(self, version: int) -> int | None:
+        return self._steps.get(version)
+
+    def newest(self) -> tuple[int, int] | None:
+        """``(version, step)`` of the highest version known: the trainer's current lineage head."""
+        if not self._steps:
+            return None
+        version = max(self._steps)
+        return version, self._steps[version]
+
+    def __getitem__(self, version: int) -> int:
+        return self._steps[version]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._steps)
+
+    def __len__(self) -> int:
+        return len(self._steps)
 
 
 @dataclass(slots=True)

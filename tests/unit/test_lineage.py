@@ -71,3 +71,14 @@ def test_recovery_replays_each_lost_step_once_in_order() -> None:
 def test_nothing_to_replay_after_a_clean_checkpoint() -> None:
     plan = plan_recovery(3, 3, TrainerHistory())
     assert plan.lost == {} and plan.replay == []
+
+
+def test_every_version_map_keeps_four_staleness_windows_and_at_least_the_minimum() -> None:
+    from miles.training.lineage import MIN_VERSIONS_KEPT, VersionSteps, versions_kept
+
+    assert versions_kept(0) == versions_kept(2) == MIN_VERSIONS_KEPT
+    assert versions_kept(99) == 400  # a bound that large keeps four windows of it
+    versions = VersionSteps(keep=3)
+    versions.restore([(1, 0), (2, 1), (3, 2), (4, 3)])  # a snapshot's pairs: the newest three are kept
+    assert sorted(versions.items()) == [(2, 1), (3, 2), (4, 3)] and 1 not in versions
+    assert versions.get(4) == versions[4] == versions.step_of(4) == 3 and versions.get(9) is None

@@ -367,7 +367,7 @@ def test_step_lengths_totals_and_strict_json(state: RunState) -> None:
 
 
 def test_version_steps_keep_the_newest() -> None:
-    from miles.monitoring.versions import VersionSteps
+    from miles.training.lineage import VersionSteps
 
     versions = VersionSteps(keep=3)
     assert versions.newest() is None
