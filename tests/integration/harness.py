@@ -54,6 +54,9 @@ def small_run_config(model_cache: Path, name: str, **overrides: Any) -> RunConfi
         "staleness.max_staleness": 1,
         "bus.ack_wait_s": 4.0,
         "bus.heartbeat_s": 0.5,
+        # Tests audit the whole run from the streams at its end (every announcement, trajectory and discard):
+        # nothing is purged unless a test asks for the default (tests of bus.retention: recovery).
+        "bus.retention": "all",
     }
     sets.update({k: v for k, v in overrides.items()})
     return load_config(None, [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip()}" for k, v in sets.items()])

@@ -251,9 +251,9 @@ def test_a_controller_restarted_on_streams_purged_to_its_snapshot(tmp_path: Path
     streams (as read before the purge, and after)."""
     server = EmbeddedNats(tmp_path / "bus")
     server.start_sync()
-    # The test purges the streams itself (as stream limits would): the actors purge nothing (bus.retention all).
-    sets = {"trainer.steps": 12, "eval.every": 4, "bus.snapshot_every_steps": 3, "bus.retention": "all"}
-    cfg = _run("purged", model_cache, **sets)
+    # The test purges the streams itself (as stream limits would): the actors purge nothing (the harness sets
+    # bus.retention all).
+    cfg = _run("purged", model_cache, **{"trainer.steps": 12, "eval.every": 4, "bus.snapshot_every_steps": 3})
     cluster = Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=server.url)
     try:
         cluster.start_all(trainer_failpoints=FREEZE_EVERY.format(n=8))  # frozen before step 7 (0-based)
@@ -300,7 +300,13 @@ def test_the_streams_keep_only_what_a_restart_needs(tmp_path: Path, model_cache:
     and restarted on what is left: the run completes with every step recorded once and nothing refused."""
     server = EmbeddedNats(tmp_path / "bus")
     server.start_sync()
-    sets = {"trainer.steps": 24, "eval.every": 8, "trainer.checkpoint_every": 3, "bus.snapshot_every_steps": 3}
+    sets = {
+        "trainer.steps": 24,
+        "eval.every": 8,
+        "trainer.checkpoint_every": 3,
+        "bus.snapshot_every_steps": 3,
+        "bus.retention": "recovery",
+    }
     cfg = _run("bounded", model_cache, **sets)
     cluster = Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=server.url)
     try:
