@@ -1,15 +1,15 @@
 """A long run of fast steps: controller memory, restart time and stream sizes must stay flat.
 
-    python benchmarks/soak.py --steps 20000 --every 2000 --out benchmarks/results/soak.json
+    python benchmarks/soak.py --steps 20000 --every 1000 --restart-every 5000 --out benchmarks/results/soak.json
 
 The quickstart's task and tiny model with small steps (``--groups-per-step`` groups of 4), run as separate
 ``miles-node`` processes (a controller, one rollout worker, one trainer rank) on an embedded nats-server, with
 the defaults under test: ``bus.retention: recovery``, a controller snapshot every ``bus.snapshot_every_steps``
 (50) steps, a checkpoint every ``--checkpoint-every`` steps. Every ``--every`` recorded steps the script
-samples the controller's resident memory and the bytes and messages of TRAJ, EVENTS and METRICS, then SIGKILLs
-the controller and starts it again; the restart's rebuild seconds come from its ``controller_rebuilt`` log
-line. The run must complete with every step recorded once and nothing refused. Rows go to ``--out`` (small:
-one per sample) and a markdown table to stdout.
+samples the controller's resident memory and the bytes and messages of TRAJ, EVENTS and METRICS; every
+``--restart-every`` steps it then SIGKILLs the controller and starts it again, and the restart's rebuild
+seconds come from its ``controller_rebuilt`` log line. The run must complete with every step recorded once and
+nothing refused. Rows go to ``--out`` (small: one per sample) and a markdown table to stdout.
 """
 
 from __future__ import annotations
@@ -124,19 +124,23 @@ def run(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
                     time.sleep(1.0)
                 rss = psutil.Process(soak.procs[controller].pid).memory_info().rss
                 sizes = asyncio.run(stream_sizes(server.url, cfg.name))
-                soak.procs[controller].send_signal(signal.SIGKILL)
-                soak.procs[controller].wait(timeout=30)
-                controller = soak.start_controller()
-                rebuilt = soak.rebuilt(controller)
-                row = {
+                row: dict[str, Any] = {
                     "steps": soak.steps_recorded(),
                     "elapsed_s": round(time.monotonic() - started, 1),
+                    "controller_life": soak.controller_lives,
                     "controller_rss_mb": round(rss / 2**20, 1),
-                    "restart_rebuild_s": rebuilt["seconds"],
-                    "restart_replayed": rebuilt["replayed"],
-                    "restart_from_snapshot_step": rebuilt["snapshot_step"],
                     **{f"{stream}_{key}": value for stream, size in sizes.items() for key, value in size.items()},
                 }
+                if target % args.restart_every == 0:
+                    soak.procs[controller].send_signal(signal.SIGKILL)
+                    soak.procs[controller].wait(timeout=30)
+                    controller = soak.start_controller()
+                    rebuilt = soak.rebuilt(controller)
+                    row |= {
+                        "restart_rebuild_s": rebuilt["seconds"],
+                        "restart_replayed": rebuilt["replayed"],
+                        "restart_from_snapshot_step": rebuilt["snapshot_step"],
+                    }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             deadline = time.monotonic() + 600
@@ -158,13 +162,14 @@ def run(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| steps | controller RSS MB | restart rebuild s (replayed messages) | TRAJ MB (msgs) | EVENTS kB (msgs) | "
-        "METRICS kB (msgs) |",
+        "| steps | controller (life) RSS MB | then restarted: rebuild s (replayed messages) | TRAJ MB (msgs) | "
+        "EVENTS kB (msgs) | METRICS kB (msgs) |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
+        restart = f"{r['restart_rebuild_s']:.3f} ({r['restart_replayed']})" if "restart_rebuild_s" in r else ""
         lines.append(
-            f"| {r['steps']:,} | {r['controller_rss_mb']} | {r['restart_rebuild_s']:.3f} ({r['restart_replayed']}) | "
+            f"| {r['steps']:,} | ({r['controller_life']}) {r['controller_rss_mb']} | {restart} | "
             f"{r['TRAJ_bytes'] / 1e6:.1f} ({r['TRAJ_messages']:,}) | {r['EVENTS_bytes'] / 1e3:.0f} "
             f"({r['EVENTS_messages']:,}) | {r['METRICS_bytes'] / 1e3:.0f} ({r['METRICS_messages']:,}) |"
         )
@@ -174,7 +179,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20000, help="Steps of the run (default 20000).")
-    p.add_argument("--every", type=int, default=2000, help="Sample and restart the controller every this many steps.")
+    p.add_argument("--every", type=int, default=1000, help="Sample every this many steps (default 1000).")
+    p.add_argument(
+        "--restart-every", type=int, default=5000, help="Restart the controller every this many steps (default 5000)."
+    )
     p.add_argument("--groups-per-step", type=int, default=4, help="Groups of 4 episodes per step (default 4).")
     p.add_argument("--checkpoint-every", type=int, default=100, help="Trainer checkpoint interval (default 100).")
     p.add_argument("--out", help="Write the rows as JSON here.")

@@ -47,9 +47,24 @@ def test_controller_restart_rebuilds_a_synthetic_run_exactly(tmp_path: Path) -> 
     """The restart benchmark fills real streams and runs the controller's real rebuild, which it checks itself
     (nothing refused, every group accounted for): a small run must pass those checks."""
     out = tmp_path / "restart.json"
-    run_script("controller_restart.py", "--steps", "30", "--repeats", "1", "--out", str(out), timeout=300)
+    args = ["--steps", "30", "--tail", "5", "--repeats", "1"]
+    run_script("controller_restart.py", *args, "--out", str(out), timeout=300)
     (row,) = json.loads(out.read_text())["rows"]
-    assert row["steps"] == 30 and row["messages"] == 1 + 3 * 30 + 3 and row["record_bytes_rewritten"] > 0
+    assert row["steps"] == 30 and row["messages"] == 1 + 3 * 30 + 3
+    assert row["steps_after_snapshot"] == 5  # the restart replays the steps after the snapshot only
+    assert 0 < row["restart_record_bytes"] < row["full_replay_record_bytes"]
+
+
+@pytest.mark.slow
+def test_the_soak_runs_samples_and_restarts_the_controller(tmp_path: Path) -> None:
+    """The soak run completes exact (the script checks the summary), sampling the streams and restarting the
+    controller on the way."""
+    out = tmp_path / "soak.json"
+    args = ["--steps", "150", "--every", "50", "--restart-every", "100", "--checkpoint-every", "20"]
+    run_script("soak.py", *args, "--out", str(out), timeout=400)
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["steps"] >= target for row, target in zip(rows, (50, 100), strict=True)] == [True, True]
+    assert "restart_rebuild_s" in rows[1] and rows[1]["controller_life"] == 1
 
 
 @pytest.mark.slow
