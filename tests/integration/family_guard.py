@@ -125,6 +125,7 @@ def guard_config(family: str, model_cache: Path, task: dict[str, Any], **overrid
         "monitor.plots": False,
         "bus.ack_wait_s": 4.0,
         "bus.heartbeat_s": 0.5,
+        "bus.retention": "all",  # the guard audits the run from the streams at its end (check_held_weights)
     }
     sets.update(overrides)
     return load_config(None, [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip()}" for k, v in sets.items()])
