@@ -83,6 +83,10 @@ WORKER_TIMEOUT_S = 60.0  # a rollout worker unheard of for this long is no longe
 Handler = Callable[[RawStreamMsg, bool], Awaitable[None]]
 
 
+class Abandoned(Exception):
+    """A message left unhandled because the controller is stopping (its next start reads it again)."""
+
+
 class _Anyone:
     """Every worker counts as live when a held-weight report is replayed (it was checked when it arrived)."""
 
@@ -405,9 +409,13 @@ class Controller(Actor):
         key = "metrics" if stream == self.bus.subjects.metrics_stream else "events"
         folded = self._fold_key(subject) or key
         async for raw in follow(self.bus.nc, self.bus.js, stream, subject, done, after_seq=after, poll_s=0.5):
-            async with self.gate.folding():  # the change and its position go into a snapshot together
-                await handle(raw, False)
-                self._folded[folded] = max(self._folded[folded], raw.seq or 0)
+            try:
+                async with self.gate.folding():  # the change and its position go into a snapshot together
+                    await handle(raw, False)
+                    self._folded[folded] = max(self._folded[folded], raw.seq or 0)
+            except Abandoned as why:  # stopping: not handled, so not a position either (read again at a restart)
+                self.log.info("message_left_for_restart", subject=raw.subject, seq=raw.seq, why=str(why))
+                return
             self._positions[key] = max(self._positions.get(key, 0), raw.seq or 0)
 
     def _seen_before(self, raw: RawStreamMsg, replaying: bool) -> bool:
@@ -585,11 +593,17 @@ class Controller(Actor):
         lasts; the report would otherwise be refused as never announced (it was, once: a hub node lost while
         the reader checked version 8's manifest). So the wait is ``VERSION_WAIT_S`` of such time, at most
         that plus ``bus.outage_budget_s`` in all.
+
+        A controller that is stopping does not wait: it raises :class:`Abandoned`, and the message is read again at
+        its next start (refused here, it would have been refused for the bus going away with the launcher; waited
+        for, it held a SIGTERMed controller for the whole outage budget).
         """
         deadline = time.monotonic() + VERSION_WAIT_S + self.cfg.bus.outage_budget_s
         waited_s = 0.0
         async with self._version_changed:
             while self.trainer_version < version and waited_s < VERSION_WAIT_S and time.monotonic() < deadline:
+                if self.stopping.is_set():
+                    raise Abandoned(f"stopping before version {version} was announced")
                 counts = self.bus.nc.is_connected and self._versions_idle.is_set()
                 started = time.monotonic()
                 with contextlib.suppress(asyncio.TimeoutError):

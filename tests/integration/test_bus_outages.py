@@ -225,6 +225,12 @@ async def _newest_snapshot(url: str, cfg: Any) -> ControllerSnapshot | None:
         await bus.close()
 
 
+def _snapshot_steps(url: str, cfg: Any) -> int:
+    """Steps recorded in the newest snapshot on the bus (-1: none yet)."""
+    snapshot = asyncio.run(_newest_snapshot(url, cfg))
+    return -1 if snapshot is None else len(snapshot.record.steps_above) + snapshot.record.steps_floor
+
+
 async def _purge_to(url: str, cfg: Any, snapshot: ControllerSnapshot) -> dict[str, int]:
     """Purge EVENTS and METRICS of everything the snapshot holds (as stream limits would); returns the first
     sequence each keeps."""
@@ -296,8 +302,10 @@ async def _stream_states(url: str, cfg: Any) -> dict[str, Any]:
 def test_the_streams_keep_only_what_a_restart_needs(tmp_path: Path, model_cache: Path) -> None:
     """bus.retention recovery (the default), a checkpoint and a controller snapshot every 3 steps of 24: the
     trainer purges the trajectories its oldest kept checkpoint no longer needs, the controller the events and
-    metrics its snapshots hold. The trainer (frozen before its 14th step) and the controller are both killed
-    and restarted on what is left: the run completes with every step recorded once and nothing refused."""
+    metrics its snapshots hold. The trainer freezes itself with 6 and with 13 steps trained: a snapshot is
+    written at each stop, and the second purges what the first holds. Then the trainer and the controller are
+    both killed and restarted on what is left: the run completes with every step recorded once and nothing
+    refused."""
     server = EmbeddedNats(tmp_path / "bus")
     server.start_sync()
     sets = {
@@ -310,9 +318,11 @@ def test_the_streams_keep_only_what_a_restart_needs(tmp_path: Path, model_cache:
     cfg = _run("bounded", model_cache, **sets)
     cluster = Cluster(cfg=cfg, run_dir=tmp_path / "run", nats_url=server.url)
     try:
-        cluster.start_all(trainer_failpoints=FREEZE_EVERY.format(n=14))
+        cluster.start_all(trainer_failpoints=FREEZE_EVERY.format(n=7))  # frozen with 6, then 13 steps trained
+        with trainer_frozen(cluster, "the trainer's 7th step"):  # a snapshot once 6 steps are recorded
+            cluster.wait_for(lambda: _snapshot_steps(server.url, cfg) >= 6, 60, "a snapshot of 6 steps")
         cluster.wait_stopped("trainer-0", 240, "the trainer's 14th step")
-        # 13 steps trained: checkpoints after 3, 6, 9 and 12, and at least two snapshots once 13 are recorded
+        # 13 steps: a second snapshot (the count passed 9 and 12), checkpoints after 3, 6, 9 and 12
         cluster.wait_for(
             lambda: all(state.first_seq > 1 for state in asyncio.run(_stream_states(server.url, cfg)).values()),
             60,
