@@ -36,6 +36,7 @@ from miles.algo.filters import build_group_filter
 from miles.algo.shaping import RewardShaper
 from miles.backends.base import TrainSample
 from miles.bus.client import KEY_GROUPS_ISSUED, Refusal
+from miles.bus.errors import BusError
 from miles.bus.schema import (
     GroupsDiscarded,
     Heartbeat,
@@ -149,7 +150,8 @@ class TrainerLeader(Actor):
         if self.lineage.step > self._last_checkpoint_step:  # done, or draining: nothing trained is redone
             await self.ranks.call("save_checkpoint", self.lineage.step, await self._checkpoint_extra())
         await self.ranks.call("close")
-        await self._release()
+        if not self.stopping.is_set():  # a draining trainer's bus may be gone: its next start releases
+            await self._release()
         if self.lineage.step >= cfg.trainer.steps:
             await self.beat()  # the final counts first: the controller writes the summary from them
             done = TrainerDone(policy_version=self.lineage.version, steps=self.lineage.step)
@@ -504,14 +506,22 @@ class TrainerLeader(Actor):
         if self.retention is not None:
             await self.retention.release()
 
+    async def _traj_floor(self) -> dict[str, int]:
+        """The checkpoint's ``traj_floor``: every trajectory at or below it is trained into this step (or before)
+        or discarded, so a restart from here reads none of them (miles.actors.retention). Empty if the bus cannot
+        say (a trainer draining after its bus went away): that checkpoint is still whole, it only releases nothing."""
+        try:
+            return {"traj_floor": await traj_ack_floor(self.bus)}
+        except BusError as exc:
+            self.log.warning("checkpoint_without_traj_floor", error=str(exc))
+            return {}
+
     async def _checkpoint_extra(self) -> dict[str, Any]:
         return {
             "step": self.lineage.step,
             "version": self.lineage.version,
             "events_seq": self.events_seq,
-            # every trajectory at or below it is trained into this step (or before) or discarded: a restart from
-            # here reads none of them (miles.actors.retention)
-            "traj_floor": await traj_ack_floor(self.bus),
+            **await self._traj_floor(),
             "resolved": self.resolved.to_json(),
             "lineage": self.lineage.to_json(),
             # workers the reward audit stopped believing stay excluded after a restart
