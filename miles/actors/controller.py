@@ -42,7 +42,7 @@ from miles.actors.base import Actor
 from miles.actors.evaluations import EvalCoordinator
 from miles.actors.retention import release_events_and_metrics
 from miles.actors.run_record import RunRecord
-from miles.actors.snapshots import FoldGate, newest_snapshot
+from miles.actors.snapshots import EVENT_KEYS, FOLDED, FoldGate, newest_snapshot
 from miles.actors.weight_audit import WeightAudit
 from miles.algo.filters import over_issue_groups
 from miles.bus.client import KEY_GROUPS_ISSUED, KEY_STATUS, messages_until
@@ -73,8 +73,6 @@ from miles.training.lineage import VersionSteps, versions_kept
 
 __all__ = ["AdmissionState", "Controller", "admission_limit"]
 
-# What a snapshot's positions are kept for: METRICS, and each subject of EVENTS the controller folds.
-FOLDED = ("metrics", "weights", "discarded", "weights_held", "eval_results")
 KEY_CONTROLLER_SEEN = "controller_seen"  # JSON {"events": seq, "metrics": seq}: how far the live readers got
 VERSION_WAIT_S = 10.0  # how long (connected) a step report or trainer_done may overtake its announcement
 ANNOUNCE_POLL_S = 0.5  # how often that wait looks at the connection
@@ -254,7 +252,7 @@ class Controller(Actor):
             await self._on_metrics(raw, True)
         # 3. in stream order: announcements (for the audit), discards, held weights, evaluation shards; each
         # subject from where the snapshot's fold of it ended
-        events_seq = min(at[key] for key in FOLDED if key != "metrics")
+        events_seq = min(at[key] for key in EVENT_KEYS)
         async for raw in stored_messages(js, s.events_stream, f"{s.run}.events.>", after_seq=events_seq):
             events_seq = raw.seq or events_seq
             key = self._fold_key(raw.subject)
@@ -272,7 +270,7 @@ class Controller(Actor):
             else:
                 await self._on_eval_shard(raw, True)
         self.record.end_rebuild()
-        events_seq = max(events_seq, *(at[key] for key in FOLDED if key != "metrics"))
+        events_seq = max(events_seq, *(at[key] for key in EVENT_KEYS))
         self._folded = {key: events_seq for key in FOLDED} | {"metrics": metrics_seq}
         if self.last_batch is not None:
             self.restarts = 1
@@ -364,8 +362,8 @@ class Controller(Actor):
         found by the leader read, so its subject keeps its position."""
         js, s = self.bus.js, self.bus.subjects
         last = (await js.stream_info(s.events_stream)).state.last_seq
-        for key in FOLDED:
-            if key != "metrics" and self._folded[key] < last:
+        for key in EVENT_KEYS:
+            if self._folded[key] < last:
                 subject = f"{s.run}.events.{key}"
                 if await next_message(js, s.events_stream, subject, self._folded[key], leader=True) is None:
                     self._folded[key] = last

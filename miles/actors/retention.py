@@ -24,11 +24,10 @@ from typing import Any
 
 import structlog
 
+from miles.actors.snapshots import EVENT_KEYS
 from miles.bus.client import KEY_TRAINER_FLOOR, Bus
 
 log = structlog.get_logger(__name__)
-
-EVENT_KEYS = ("weights", "discarded", "weights_held", "eval_results")  # the EVENTS subjects a snapshot folds
 
 
 async def traj_ack_floor(bus: Bus) -> int:

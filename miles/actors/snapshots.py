@@ -20,6 +20,10 @@ from miles.bus.client import Bus
 from miles.bus.follow import stored_messages
 from miles.bus.schema import ControllerSnapshot
 
+# What a snapshot's positions are kept for: each subject of EVENTS the controller folds, and METRICS.
+EVENT_KEYS = ("weights", "discarded", "weights_held", "eval_results")
+FOLDED = ("metrics", *EVENT_KEYS)
+
 
 class FoldGate:
     """Changes to the controller's state on one side, snapshot cuts on the other: never both at once."""
