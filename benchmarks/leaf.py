@@ -38,7 +38,7 @@ from typing import Any
 
 import structlog
 
-from miles.bus.connect import connect
+from miles.bus.connect import connect, processed
 from miles.bus.server import DEFAULT_MAX_PAYLOAD, EmbeddedNats
 from miles.bus.streams import ensure_run_streams
 from miles.bus.subjects import Subjects
@@ -96,7 +96,7 @@ async def trajectories(worker_url: str, trainer_url: str, n: int, size: int, pub
                 for msg in msgs:
                     await msg.ack()
                 got += len(msgs)
-            await trainer.flush()
+            await processed(trainer)
 
         start = time.perf_counter()
         consumer = asyncio.create_task(consume())

@@ -152,4 +152,15 @@ async def close_client(nc: Client) -> None:
     await nc.close()
 
 
-__all__ = ["BusError", "close_client", "connect", "make_ssl_context"]
+async def processed(nc: Client) -> None:
+    """Return once the server has processed every command ``nc`` sent before this call (a subscription is
+    registered, a publish routed or refused). nats-py's ``flush`` alone does not promise that: it writes its
+    PING straight to the socket, ahead of the commands still in its pending buffer, so the PONG can answer
+    before a SUB is read (a request from another connection then found "no responders", 9 times in 2,000
+    here). By the time that first PONG is back, the flusher has written the buffer, so the second PING
+    follows every earlier command on the wire."""
+    await nc.flush()
+    await nc.flush()
+
+
+__all__ = ["BusError", "close_client", "connect", "make_ssl_context", "processed"]

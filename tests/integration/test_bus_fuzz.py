@@ -21,6 +21,7 @@ import msgpack
 import pytest
 from nats.aio.client import Client
 
+from miles.bus.connect import processed
 from miles.bus.schema import (
     SCHEMA_VERSION,
     Control,
@@ -243,7 +244,7 @@ async def _forge(nc: Client) -> dict[str, object]:
     # 8. Messages put straight onto the dead-letter stream.
     for i in range(5):
         await put(f"{RUN}.dlq.rollout.forged", b"junk %d" % i)
-    await nc.flush()
+    await processed(nc)
     return {"forged_version": forged_version, "forged_state_digest": forged.state_digest, "never": set(never)}
 
 

@@ -22,6 +22,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from miles.bus.connect import processed
 from miles.bus.follow import follow, last_message, next_message
 from miles.bus.server import EmbeddedNats
 from miles.bus.streams import ensure_run_streams
@@ -77,12 +78,12 @@ class Session:
 
     async def refused_publish(self, subject: str, data: bytes = b"forged") -> bool:
         await self.nc.publish(subject, data)
-        await self.nc.flush()
+        await processed(self.nc)
         return await self.violation(f'Publish to "{subject}"')
 
     async def refused_subscribe(self, subject: str) -> bool:
         sub = await self.nc.subscribe(subject)
-        await self.nc.flush()
+        await processed(self.nc)
         refused = await self.violation(f'Subscription to "{subject}"')
         await sub.unsubscribe()
         return refused
@@ -183,7 +184,7 @@ async def trainer_duties(trainer: Session, rollout: Session, controller: Session
     await trainer.nc.publish(S.heartbeat("trainer", "t0"), pack("heartbeat", role="trainer", actor_id="t0"))
     await trainer.js.publish(f"{RUN}.dlq.trainer.{S.traj.replace('.', '_')}", b"junk")
     control = await trainer.nc.subscribe(S.control)
-    await trainer.nc.flush()
+    await processed(trainer.nc)
     await controller.js.publish(S.control, pack("control", command="stop"))
     assert (await control.next_msg(timeout=5)).subject == S.control
     kv = await trainer.js.key_value(S.state_bucket)
@@ -209,7 +210,7 @@ async def controller_duties(controller: Session, trainer: Session, rollout: Sess
     METRICS, every announcement in order (no consumer), heartbeats of all roles, queue sizes."""
     hb = await controller.nc.subscribe(S.heartbeat("*", "*"))
     control = await controller.nc.subscribe(S.control)
-    await controller.nc.flush()
+    await processed(controller.nc)
     await controller.js.publish(S.prompts, pack("prompt_group", group_id="g0"))
     await controller.js.publish(NAMES.evalq, pack("eval_item", item_id="e0"))
     await controller.js.publish(S.eval, pack("eval_result", accuracy=0.5))
@@ -218,11 +219,11 @@ async def controller_duties(controller: Session, trainer: Session, rollout: Sess
     await state.put("status", b"running")
     info = await controller.js.key_value(NAMES.runinfo_bucket)
     await info.put("sampling", b"{}")
-    await controller.nc.flush()
+    await processed(controller.nc)
     await controller.nc.publish(S.heartbeat("controller", "c0"), pack("heartbeat"))
     await controller.js.publish(f"{RUN}.dlq.controller.{S.weights.replace('.', '_')}", b"junk")
     await rollout.nc.publish(S.heartbeat("rollout", "r0"), pack("heartbeat"))
-    await rollout.nc.flush()
+    await processed(rollout.nc)
     assert (await hb.next_msg(timeout=5)).subject == S.heartbeat("controller", "c0")
     assert (await hb.next_msg(timeout=5)).subject == S.heartbeat("rollout", "r0")
     await publish_weights(trainer, 0)
@@ -271,7 +272,7 @@ async def rollout_duties(rollout: Session, trainer: Session, controller: Session
     reports, eval results, its heartbeat and dead letters, the stop command, the newest announcement and
     any older one, the weight payload by direct get (full and delta), the run state and run info."""
     control = await rollout.nc.subscribe(S.control)
-    await rollout.nc.flush()
+    await processed(rollout.nc)
     await controller.js.publish(S.prompts, pack("prompt_group", group_id="g0"))
     await controller.js.publish(S.prompts, pack("prompt_group", group_id="g1"))
     await controller.js.publish(NAMES.evalq, pack("eval_item", item_id="e0"))
@@ -325,9 +326,9 @@ async def rollout_duties(rollout: Session, trainer: Session, controller: Session
 async def monitor_duties(monitor: Session, trainer: Session, rollout: Session) -> None:
     """Heartbeats, metrics history then live metrics (no consumer), queue sizes and consumer lag, run state."""
     hb = await monitor.nc.subscribe(S.heartbeat("*", "*"))
-    await monitor.nc.flush()  # the subscription is registered before anything is published
+    await processed(monitor.nc)  # the subscription is registered before anything is published
     await rollout.nc.publish(S.heartbeat("rollout", "r0"), pack("heartbeat"))
-    await rollout.nc.flush()
+    await processed(rollout.nc)
     assert (await hb.next_msg(timeout=5)).subject == S.heartbeat("rollout", "r0")
     await trainer.js.publish(S.step, pack("step_metrics", step=0))
     await trainer.js.publish(S.step, pack("step_metrics", step=1))
@@ -353,28 +354,28 @@ async def monitor_duties(monitor: Session, trainer: Session, rollout: Session) -
 async def test_trainer_does_its_work(prepared: Callable[[str], Awaitable[Session]]) -> None:
     trainer, rollout, controller = await prepared("trainer"), await prepared("rollout"), await prepared("controller")
     await trainer_duties(trainer, rollout, controller)
-    await trainer.nc.flush()
+    await processed(trainer.nc)
     assert trainer.clean() == [] and rollout.clean() == []
 
 
 async def test_controller_does_its_work(prepared: Callable[[str], Awaitable[Session]]) -> None:
     controller, trainer, rollout = await prepared("controller"), await prepared("trainer"), await prepared("rollout")
     await controller_duties(controller, trainer, rollout)
-    await controller.nc.flush()
+    await processed(controller.nc)
     assert controller.clean() == [] and trainer.clean() == [] and rollout.clean() == []
 
 
 async def test_rollout_does_its_work(prepared: Callable[[str], Awaitable[Session]]) -> None:
     rollout, trainer, controller = await prepared("rollout"), await prepared("trainer"), await prepared("controller")
     await rollout_duties(rollout, trainer, controller)
-    await rollout.nc.flush()
+    await processed(rollout.nc)
     assert rollout.clean() == [] and trainer.clean() == [] and controller.clean() == []
 
 
 async def test_monitor_reads_everything_it_shows(prepared: Callable[[str], Awaitable[Session]]) -> None:
     monitor, trainer, rollout = await prepared("monitor"), await prepared("trainer"), await prepared("rollout")
     await monitor_duties(monitor, trainer, rollout)
-    await monitor.nc.flush()
+    await processed(monitor.nc)
     assert monitor.clean() == [] and trainer.clean() == [] and rollout.clean() == []
 
 
@@ -383,7 +384,7 @@ async def teacher_duties(teacher: Session, trainer: Session, controller: Session
     refusal, read the run instance, obey a stop; and the trainer's side: the request and its reply."""
     requests = await teacher.nc.subscribe(S.teacher_score, queue="teachers")
     control = await teacher.nc.subscribe(S.control)
-    await teacher.nc.flush()
+    await processed(teacher.nc)
     asking = asyncio.create_task(trainer.nc.request(S.teacher_score, pack("teacher_score_request"), timeout=5))
     request = await requests.next_msg(timeout=5)
     assert request.reply.startswith(f"_INBOX.{RUN}.trainer.")
@@ -403,7 +404,7 @@ async def teacher_duties(teacher: Session, trainer: Session, controller: Session
 async def test_teacher_does_its_work(prepared: Callable[[str], Awaitable[Session]]) -> None:
     teacher, trainer, controller = await prepared("teacher"), await prepared("trainer"), await prepared("controller")
     await teacher_duties(teacher, trainer, controller)
-    await teacher.nc.flush()
+    await processed(teacher.nc)
     assert teacher.clean() == [] and trainer.clean() == [] and controller.clean() == []
 
 
@@ -522,7 +523,7 @@ async def test_teacher_replies_once_per_request_and_publishes_nothing_else(
     # Only into an inbox that asked it something, and once: a second reply, or a forged one into the trainer's
     # inbox (where its pulled trajectories arrive), is refused.
     requests = await teacher.nc.subscribe(S.teacher_score)
-    await teacher.nc.flush()
+    await processed(teacher.nc)
     asking = asyncio.create_task(trainer.nc.request(S.teacher_score, b"score", timeout=5))
     try:
         request = await requests.next_msg(timeout=5)

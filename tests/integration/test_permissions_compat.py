@@ -16,6 +16,7 @@ import msgpack
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from miles.bus.connect import processed
 from miles.bus.server import EmbeddedNats
 from miles.security.bundle import server_config, write_bundle
 from tests.integration.test_permissions import RUN, S, Session, connect_as, pack, prepare_run, publish_weights
@@ -70,7 +71,7 @@ async def test_ordered_consumers_and_self_made_durables_work(roles: Callable[[st
     (msg,) = await sub.fetch(1, timeout=5)
     await msg.ack_sync()
     for session in (rollout, controller, monitor, trainer):
-        await session.nc.flush()
+        await processed(session.nc)
         assert session.clean() == []
 
 
@@ -83,7 +84,7 @@ async def test_a_consumer_creator_can_make_the_server_publish_for_it(
     forged = S.heartbeat("trainer", "t0")
     assert await rollout.refused_publish(forged)
     watcher = await controller.nc.subscribe(forged)  # e.g. a dashboard that watches the trainer
-    await controller.nc.flush()
+    await processed(controller.nc)
     await rollout.js.publish(S.weights_held, pack("heartbeat", role="trainer", actor_id="t0", state="forged"))
     redirect = ConsumerConfig(deliver_subject=forged, filter_subject=S.weights_held, ack_policy=AckPolicy.NONE)
     await rollout.js.add_consumer(S.events_stream, redirect)

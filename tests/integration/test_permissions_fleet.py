@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from miles.bus.connect import processed
 from miles.bus.follow import last_message
 from miles.bus.server import EmbeddedNats
 from miles.security.bundle import server_config, write_bundle
@@ -121,7 +122,7 @@ async def test_fleet_workers_work_through_the_leaf_link(tmp_path: Path, hub: Emb
         await worker.js.publish(S.weights_held, pack("weights_held", worker_id="cloud-0", version=0))
         # the fleet's own server enforces the rollout role too
         assert await worker.refused_publish(S.weights)
-        await worker.nc.flush()
+        await processed(worker.nc)
         assert [e for e in worker.clean() if S.weights not in e] == []
         stored = await stored_messages(on_hub["setup"])
         assert stored[S.traj_stream] == 1 and stored[S.events_stream] == 2  # announcement + held report
@@ -148,7 +149,7 @@ async def test_a_careless_fleet_server_still_cannot_send_what_rollout_may_not(
         before = await stored_messages(on_hub["setup"])
         for subject in TRAINER_ONLY + CONTROLLER_ONLY:
             await worker.nc.publish(subject, pack("weights_announced", version=99))
-        await worker.nc.flush()
+        await processed(worker.nc)
         for api in ADMIN_API + STEAL_WORK:  # JetStream API the link may not use: not even routed
             with pytest.raises(Exception):
                 await worker.nc.request(api, b"{}", timeout=1)

@@ -21,6 +21,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from miles.bus.connect import processed
 from miles.bus.server import EmbeddedNats
 from miles.bus.setup import setup_run
 from miles.security.bundle import RoleCredentials, server_config, write_bundle
@@ -86,7 +87,7 @@ def _run(
             record.append((msg.subject, msg.data, dict(msg.headers or {})))
 
         await nc.subscribe(f"{RUN}.>", cb=keep)
-        await nc.flush()
+        await processed(nc)
         cluster.start_all()
         summary = cluster.run_dir / "summary.json"
         async with asyncio.timeout(300):
@@ -102,7 +103,7 @@ def _run(
         for subject, data, headers in messages:
             await nc.publish(subject, data, headers=headers or None)
             replayed += 1
-        await nc.flush()
+        await processed(nc)
         await nc.close()
         return replayed
 

@@ -26,6 +26,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from miles.bus.connect import processed
 from miles.bus.schema import (
     Episode,
     EvalShardResult,
@@ -118,7 +119,7 @@ async def _garbage_everywhere(nc: Client, js) -> int:  # noqa: ANN001
             eval_id=eval_id, shard=0, worker_id="rollout-0", version=0, samples=15, reward_sum=15_000.0, claim="0" * 32
         )
         await js.publish(S.eval_results, encode(forged))
-    await nc.flush()
+    await processed(nc)
     return read
 
 
