@@ -329,6 +329,13 @@ class RolloutConfig(Strict):
     groups_in_flight: int = Field(
         4, ge=1, description="Prompt groups a worker plays at once; their episodes share the engine's batch."
     )
+    admit_by: Literal["groups", "episodes"] = Field(
+        "groups",
+        description="groups: a worker plays at most groups_in_flight groups, a group's room coming free when it is "
+        "stored. episodes: it keeps at most groups_in_flight x group_size episodes running, each finished episode "
+        "making room at once, so on long-tailed lengths the next group starts while a long group's last episode "
+        "still runs (the engine's rows stay busy; the worker may then hold more than groups_in_flight groups).",
+    )
     episode: EpisodeConfig = Field(default_factory=EpisodeConfig, description="Turn, token and time limits.")
     sandbox: SandboxConfig = Field(
         default_factory=SandboxConfig, description="Where agents' commands run (terminal tasks; docs/agents.md)."

@@ -1,10 +1,11 @@
 """Rollout worker: plays episodes of prompt groups at known policy versions and publishes trajectories.
 
-A worker runs up to ``rollout.groups_in_flight`` prompt groups at once; every episode of every group sends
-its model turns to the engine as separate requests, so they batch together and a short episode never
-waits for a long one. A group is played with at least the version it was issued at; newer weights switch
-in at token boundaries and every model token records its version. Evaluation shards from the controller
-are played greedily with the weights pinned at one version.
+A worker runs up to ``rollout.groups_in_flight`` prompt groups at once (or, with ``rollout.admit_by:
+episodes``, as many episodes: :mod:`miles.actors.seats`); every episode of every group sends its model turns
+to the engine as separate requests, so they batch together and a short episode never waits for a long one.
+A group is played with at least the version it was issued at; newer weights switch in at token boundaries
+and every model token records its version. Evaluation shards from the controller are played greedily with
+the weights pinned at one version.
 
 Delivery contract: a prompt (or evaluation) message is acked only after the trajectory (or result) built
 from it is stored by JetStream. A worker killed mid-group leaves its prompts unacked, and JetStream
@@ -26,9 +27,10 @@ from nats.aio.msg import Msg
 from miles.actors.base import Actor, keep_in_progress
 from miles.actors.deliveries import GroupDeliveries
 from miles.actors.rollout_stats import RolloutStats
+from miles.actors.seats import GroupSeats, Seats
 from miles.actors.trust import MAX_VERSION_JUMP
 from miles.bus.runinfo import RunInfoError, check_worker_config, wait_run_info
-from miles.bus.schema import EvalShardResult, EvalTask, Heartbeat, PromptGroup, Trajectory, WeightsHeld
+from miles.bus.schema import Episode, EvalShardResult, EvalTask, Heartbeat, PromptGroup, Trajectory, WeightsHeld
 from miles.engines.base import SamplingParams, StagingEngine
 from miles.heap import freeze_startup_heap
 from miles.rollout.env import EpisodeSpec
@@ -205,11 +207,12 @@ class RolloutWorker(Actor):
         sub = await self.bus.js.pull_subscribe_bind(
             durable=self.bus.subjects.ROLLOUT_CONSUMER, stream=self.bus.subjects.prompts_stream
         )
-        room = asyncio.Semaphore(self.cfg.rollout.groups_in_flight)
+        rollout = self.cfg.rollout
+        seats = Seats(rollout.groups_in_flight, rollout.group_size)
         try:
             async with asyncio.TaskGroup() as tg:
                 while not self.stopping.is_set():
-                    free = await _take_all(room)
+                    free = await seats.take_groups()
                     try:
                         msgs = await sub.fetch(free, timeout=0.5)
                     except asyncio.TimeoutError:
@@ -218,23 +221,23 @@ class RolloutWorker(Actor):
                     msgs, surplus = msgs[:free], msgs[free:]
                     for msg in surplus:
                         await msg.nak()  # back to the stream at once, for whichever worker has room
-                    for _ in range(free - len(msgs)):
-                        room.release()
+                    await seats.give_back((free - len(msgs)) * rollout.group_size)
                     for msg in msgs:
+                        group_seats = GroupSeats(seats, rollout.admit_by)
                         group = await self.bus.accept(msg, PromptGroup)
                         refusal = None if group is None else self._prompt_refusal(group)
                         if refusal is not None:
                             await self.bus.refuse(msg, f"prompt_group: {refusal}", category="untrusted")
                         if group is None or refusal is not None:
-                            room.release()
+                            await group_seats.release()
                             continue
                         claim = self.deliveries.claim(group.group_id, msg)
                         if claim != "play":  # redelivered: held until the group in play is stored, or acked now
                             if claim == "stored":
                                 await msg.ack()
-                            room.release()
+                            await group_seats.release()
                             continue
-                        tg.create_task(self._play_group(msg, group, task, renderer, params, limits, room))
+                        tg.create_task(self._play_group(msg, group, task, renderer, params, limits, group_seats))
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -247,7 +250,7 @@ class RolloutWorker(Actor):
         renderer: Renderer,
         params: SamplingParams,
         limits: EpisodeLimits,
-        room: asyncio.Semaphore,
+        seats: GroupSeats,
     ) -> None:
         stored = False
         try:
@@ -260,17 +263,17 @@ class RolloutWorker(Actor):
                     await msg.nak()
                     return
                 spec = EpisodeSpec(group.sample_id, group.prompt, group.answer, group.meta)
+
+                async def play_one() -> Episode:
+                    episode = await run_episode(
+                        self.engine, renderer, task.environment(spec), params, limits, sample_id=spec.sample_id
+                    )
+                    await seats.episode_done()  # admit_by: episodes: its seat takes the next group's episode
+                    return episode
+
                 start = time.perf_counter()
                 episodes = await _until_stopped(
-                    self.stopping,
-                    asyncio.gather(
-                        *(
-                            run_episode(
-                                self.engine, renderer, task.environment(spec), params, limits, sample_id=spec.sample_id
-                            )
-                            for _ in range(group.group_size)
-                        )
-                    ),
+                    self.stopping, asyncio.gather(*(play_one() for _ in range(group.group_size)))
                 )
                 if episodes is None:
                     await msg.nak()
@@ -295,7 +298,7 @@ class RolloutWorker(Actor):
         finally:
             for held in self.deliveries.finish(group.group_id, stored=stored):  # redeliveries held meanwhile
                 await (held.ack() if stored else held.nak())
-            room.release()
+            await seats.release()
 
     async def _wait_out_evaluations(self) -> bool:
         """Hold a group while an evaluation pins weights too old to start it with (:func:`holds_for_evaluation`);
@@ -399,16 +402,6 @@ def holds_for_evaluation(*, evaluating: bool, engine_version: int, newest_announ
     the evaluation, which then ends sooner. Not pinned, the engine switches at its next token boundary, so
     a group never waits for an ordinary weight fetch (asynchrony is kept)."""
     return evaluating and newest_announced > engine_version
-
-
-async def _take_all(room: asyncio.Semaphore) -> int:
-    """Wait for one slot of ``room``, then take every other free one too; returns how many were taken."""
-    await room.acquire()
-    taken = 1
-    while not room.locked():
-        await room.acquire()  # free: returns at once
-        taken += 1
-    return taken
 
 
 async def _until_stopped(stopping: asyncio.Event, work: Any) -> Any:

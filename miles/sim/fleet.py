@@ -9,6 +9,10 @@ queue) and the trainer's accept/stale verdict (:func:`~miles.training.intake.cla
 * rollout engines batch continuously: up to ``max_batch`` sequences, one decode step takes
   ``step_base_s + step_per_seq_s * batch``, a sequence ends after its length in tokens. Events happen only
   when a sequence ends or the batch changes (between them every sequence advances at the same rate);
+* each engine's worker plays up to ``groups_in_flight`` groups (``rollout.groups_in_flight``) and sends
+  every episode of a group at once; the engine starts a waiting sequence as soon as a row is free. With
+  ``admit_by="episodes"`` (``rollout.admit_by``) the worker counts running episodes instead, so a long group's
+  finished members make room for the next group at once;
 * lengths are log-normal; a prompt's share of the log-variance is fixed per prompt (so a re-issued long
   prompt is long again: the length bias of re-queueing), the rest is per completion;
 * a group starts on an engine that holds at least the weights it was issued at; a new version reaches the
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from miles.actors.admission import AdmissionState, SampleOrder, issue_room, plan_batch
+from miles.actors.seats import AdmitBy
 from miles.bus.schema import GroupsDiscarded
 from miles.tasks.base import Sample
 from miles.training.intake import StalePrefix, classify, judged_version
@@ -84,11 +89,16 @@ class FleetParams:
     trainer_gpus: int | None = None  # None: the split that maximises the overlap bound
     gpus_per_engine: int = 1
     eta: int = 2
+    groups_in_flight: int | None = None  # per engine (rollout.groups_in_flight); None: max_batch // group_size
+    admit_by: AdmitBy = "groups"  # rollout.admit_by: a group's room comes back when it ends, or per episode
     stale_prefix: StalePrefix = "discard"  # staleness.stale_prefix: re-queue a long group, or mask its old tokens
     groups_per_step: int = 64
     group_size: int = 16
     steps: int = 20
     warmup_steps: int = 4  # throughput is measured from the end of this step to the end of the run
+    # The run goes on past its measured steps: admission is never capped at the end, so the window is steady
+    # state (else its last eta + 1 steps drain the fleet, a cost a long run pays once, not per step).
+    open_ended: bool = False
     engine: EngineModel = field(default_factory=EngineModel)
     lengths: LengthModel = field(default_factory=LengthModel)
     train_s_per_token: float = 1.4e-4  # GPU-seconds per trained token (forward + backward + log-probs)
@@ -106,10 +116,10 @@ class Group:
     sample_id: str
     issued_version: int
     lengths: list[int]
-    version: int = -1  # weights it started generating with (its oldest version)
+    version: int = -1  # weights its first member started generating with (its oldest version)
     left: int = 0  # members still generating
     engine: int = -1
-    start: float = 0.0  # the engine's decode-step count when it started
+    starts: list[float] = field(default_factory=list)  # per member: the engine's decode-step count at its start
 
     @property
     def tokens(self) -> int:
@@ -126,6 +136,9 @@ class Engine:
         self.t_last = 0.0
         self.resume_at = 0.0
         self.active: list[tuple[float, int, Group]] = []  # (finish at self.tokens ==, tie-break, group)
+        self.waiting: deque[tuple[Group, int]] = deque()  # (group, member) sent by the worker, no row yet
+        self.groups = 0  # groups its worker plays (sent, not all members finished)
+        self.row_s = 0.0  # integral of busy rows over decoding time (paused time is idle)
         self.epoch = 0  # invalidates scheduled completions when the batch changes
         self.switch_at: list[float] = [0.0]  # decode-step count from which each version in switch_version held
         self.switch_version: list[int] = [0]
@@ -153,6 +166,7 @@ class Engine:
         start = max(self.t_last, self.resume_at)
         if self.active and now > start:
             self.tokens += (now - start) / self.model.step_s(len(self.active))
+            self.row_s += len(self.active) * (now - start)
         self.t_last = max(self.t_last, now)
 
     def next_done(self, now: float) -> float | None:
@@ -185,6 +199,8 @@ class FleetResult:
     trained_len_mean: float
     regenerated_fraction: float  # generated tokens thrown away by re-queues / all generated tokens
     masked_fraction: float  # generated tokens kept as context but not trained (stale_prefix: mask) / all generated
+    engine_fill: float  # busy rows / all rows of the rollout engines, over the run
+    trainer_busy: float  # share of the run the trainer spent training
     events: int
 
     @property
@@ -224,6 +240,8 @@ def simulate(p: FleetParams) -> FleetResult:
         rollout_gpus, eta = p.gpus - trainer_gpus, p.eta
         transfer, pause = p.transfer_s, p.pause_s
     engines = [Engine(i, p.engine) for i in range(max(1, rollout_gpus // p.gpus_per_engine))]
+    groups_in_flight = p.groups_in_flight or max(1, p.engine.max_batch // p.group_size)
+    run_steps = p.steps + eta + 1 if p.open_ended else p.steps
 
     samples = {f"s{i}": Sample(id=f"s{i}", prompt="", answer="") for i in range(p.dataset)}
     prompt_z = {sid: rng.gauss(0.0, 1.0) for sid in samples}
@@ -251,6 +269,7 @@ def simulate(p: FleetParams) -> FleetResult:
     discard_seq = 0
     step = 0
     busy = False
+    train_s = 0.0  # simulated seconds of training started
     step_end: list[float] = [0.0]
     events = 0
     seq_tie = 0
@@ -261,26 +280,36 @@ def simulate(p: FleetParams) -> FleetResult:
         if t is not None:
             push(t, "done", e.eid, e.epoch)
 
+    def wants(e: Engine) -> bool:
+        """Whether the engine's worker takes another group (``rollout.admit_by``, :mod:`miles.actors.seats`)."""
+        if p.admit_by == "groups":
+            return e.groups < groups_in_flight
+        return groups_in_flight * p.group_size - len(e.active) - len(e.waiting) >= p.group_size
+
     def fill(e: Engine, now: float) -> None:
-        """Pull prompt groups from the stream while the engine has room and the weights they need."""
+        """The worker pulls prompt groups from the stream while it has room and the weights they need; the
+        engine starts waiting sequences in free rows."""
         nonlocal seq_tie
-        started = False
-        while queue and e.room() >= p.group_size and queue[0].issued_version <= e.version:
+        while queue and wants(e) and queue[0].issued_version <= e.version:
             g = queue.popleft()
-            if not started:
-                e.advance(now)
-                started = True
-            g.version, g.left, g.engine, g.start = e.version, len(g.lengths), e.eid, e.tokens
-            for n in g.lengths:
+            e.groups += 1
+            g.left, g.engine, g.starts = len(g.lengths), e.eid, [0.0] * len(g.lengths)
+            e.waiting.extend((g, m) for m in range(len(g.lengths)))
+        if e.waiting and e.room() > 0:
+            e.advance(now)
+            while e.waiting and e.room() > 0:
+                g, m = e.waiting.popleft()
+                if g.version < 0:
+                    g.version = e.version
+                g.starts[m] = e.tokens
                 seq_tie += 1
-                heapq.heappush(e.active, (e.tokens + n, seq_tie, g))
-        if started:
+                heapq.heappush(e.active, (e.tokens + g.lengths[m], seq_tie, g))
             schedule(e, now)
-        if not queue and e.room() >= p.group_size:
+        if not queue and wants(e):
             hungry.add(e.eid)
 
     def issue(now: float) -> None:
-        room = issue_room(state, step=step, max_staleness=eta, groups_per_step=p.groups_per_step, steps=p.steps)
+        room = issue_room(state, step=step, max_staleness=eta, groups_per_step=p.groups_per_step, steps=run_steps)
         if room <= 0:
             return
         batch = plan_batch(state, order, room, lineage.version)
@@ -296,10 +325,10 @@ def simulate(p: FleetParams) -> FleetResult:
 
     def collect(now: float) -> None:
         """The trainer pulls finished groups (in finishing order) until it holds a batch, then trains."""
-        nonlocal busy, requeued, requeued_tokens, masked_tokens, discard_seq
+        nonlocal busy, requeued, requeued_tokens, masked_tokens, discard_seq, train_s
         while done and len(held) < p.groups_per_step:
             g = done.popleft()
-            spans = [engines[g.engine].token_versions(g.start, n) for n in g.lengths]
+            spans = [engines[g.engine].token_versions(start, n) for start, n in zip(g.starts, g.lengths, strict=True)]
             newest = max(v for member in spans for v, _ in member)
             lag = lineage.distance(judged_version(g.version, newest, p.stale_prefix))
             verdict = classify(
@@ -323,7 +352,9 @@ def simulate(p: FleetParams) -> FleetResult:
                 stale_lags.append(max(fresh, default=0))
         if len(held) == p.groups_per_step and not busy:
             busy = True
-            push(now + _train_s(p, sum(g.tokens for g in held.values()), trainer_gpus), "trained", step + 1)
+            took = _train_s(p, sum(g.tokens for g in held.values()), trainer_gpus)
+            train_s += took
+            push(now + took, "trained", step + 1)
 
     issue(0.0)
     while heap and step < p.steps:
@@ -338,6 +369,7 @@ def simulate(p: FleetParams) -> FleetResult:
                 _, _, g = heapq.heappop(e.active)
                 g.left -= 1
                 if g.left == 0:
+                    e.groups -= 1
                     generated_tokens += g.tokens
                     done.append(g)
             fill(e, now)
@@ -390,5 +422,7 @@ def simulate(p: FleetParams) -> FleetResult:
         trained_len_mean=trained_len,
         regenerated_fraction=requeued_tokens / generated_tokens if generated_tokens else 0.0,
         masked_fraction=masked_tokens / generated_tokens if generated_tokens else 0.0,
+        engine_fill=sum(e.row_s for e in engines) / (len(engines) * p.engine.max_batch * sim_s) if sim_s else 0.0,
+        trainer_busy=min(train_s, sim_s) / sim_s if sim_s else 0.0,
         events=events,
     )

@@ -228,6 +228,40 @@ def test_sim_masking_a_stale_prefix_keeps_long_groups_within_the_bound() -> None
     assert mask.staleness_max <= 1 and mask.trained_groups == base.steps * base.groups_per_step
 
 
+def test_more_groups_in_flight_than_rows_keep_a_stragglers_rows_busy() -> None:
+    """A worker that plays more groups than its engine has rows for leaves sequences waiting, which take the
+    rows a long group's finished members free: the engines fill better, and never past their rows."""
+    base = dataclasses.replace(TINY, mode="async", eta=4, steps=16, seed=3, stale_prefix="mask")
+    rows = base.engine.max_batch // base.group_size
+    tight = simulate(dataclasses.replace(base, groups_in_flight=rows))
+    deep = simulate(dataclasses.replace(base, groups_in_flight=2 * rows))
+    assert 0.0 < tight.engine_fill < deep.engine_fill <= 1.0
+    assert 0.0 < tight.trainer_busy <= 1.0 and 0.0 < deep.trainer_busy <= 1.0
+    assert deep.trained_groups == base.steps * base.groups_per_step and deep.staleness_max <= base.eta
+
+
+def test_admitting_by_episodes_fills_the_rows_a_long_group_frees() -> None:
+    """``admit_by="episodes"`` (the worker's seats): the next group takes the seats of a long group's finished
+    members, so the engines are fuller than when the whole group's room waits for its longest member, and
+    no engine runs more episodes than its worker has seats."""
+    base = dataclasses.replace(TINY, mode="async", eta=4, steps=16, seed=3, stale_prefix="mask")
+    by_groups = simulate(base)
+    by_episodes = simulate(dataclasses.replace(base, admit_by="episodes"))
+    assert 0.0 < by_groups.engine_fill < by_episodes.engine_fill <= 1.0
+    assert by_episodes.samples_per_s > by_groups.samples_per_s
+    assert by_episodes.staleness_max <= base.eta
+
+
+def test_an_open_ended_run_does_not_drain_inside_its_window() -> None:
+    """A run capped at its last step admits nothing new for its last eta + 1 steps and waits on its stragglers;
+    an open-ended one (a window of a longer run) keeps issuing, so its measured throughput is higher."""
+    base = dataclasses.replace(TINY, mode="async", eta=2, steps=16, seed=3, stale_prefix="mask")
+    capped = simulate(base)
+    open_ended = simulate(dataclasses.replace(base, open_ended=True))
+    assert open_ended.samples_per_s > capped.samples_per_s
+    assert open_ended.staleness_max <= base.eta
+
+
 def test_engine_token_versions_split_at_each_switch() -> None:
     from miles.sim.fleet import Engine
 
