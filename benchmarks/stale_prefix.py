@@ -1,6 +1,7 @@
 """Re-queue a long answer or keep it: ``staleness.stale_prefix`` discard vs mask, side by side in one run.
 
     python benchmarks/stale_prefix.py --out benchmarks/results/stale_prefix.json
+    python benchmarks/stale_prefix.py --admit-by groups episodes   # also rollout.admit_by, each pair an arm
 
 Runs ``miles run recipes/async-longtail.yaml`` at ``staleness.max_staleness=2`` (``--eta``) with
 ``stale_prefix`` ``discard`` (the group whose first tokens are past the bound is re-queued and generated again)
@@ -68,12 +69,13 @@ def _fmt(mean: float, se: float | None, spec: str) -> str:
 
 def table(runs: list[dict[str, Any]]) -> str:
     lines = [
-        "| stale_prefix | runs | regenerated tokens | masked tokens | re-queued groups | eval before -> after "
-        "| staleness mean | wall s | train-window samples/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| stale_prefix | admit_by | runs | regenerated tokens | masked tokens | re-queued groups "
+        "| eval before -> after | staleness mean | wall s | train-window samples/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for mode in MODES:
-        ok = [r for r in runs if r["stale_prefix"] == mode and "error" not in r]
+    arms = list(dict.fromkeys((r["stale_prefix"], r["admit_by"]) for r in runs))
+    for mode, admit_by in arms:
+        ok = [r for r in runs if (r["stale_prefix"], r["admit_by"]) == (mode, admit_by) and "error" not in r]
         if not ok:
             continue
 
@@ -81,7 +83,8 @@ def table(runs: list[dict[str, Any]]) -> str:
             return _fmt(*_mean_se([float(r[key]) for r in runs_]), spec)
 
         lines.append(
-            f"| {mode} | {len(ok)} | {col('regenerated_fraction', '.3f')} | {col('masked_fraction', '.3f')} "
+            f"| {mode} | {admit_by} | {len(ok)} | {col('regenerated_fraction', '.3f')} "
+            f"| {col('masked_fraction', '.3f')} "
             f"| {col('trajectories_requeued', '.1f')} | {col('eval_before', '.3f')} -> {col('eval_after', '.3f')} "
             f"| {col('staleness_mean', '.2f')} | {col('wall_s', '.1f')} | {col('train_samples_per_s', '.1f')} |"
         )
@@ -94,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     add_override_option(p)
     p.add_argument("--eta", type=int, default=2, help="staleness.max_staleness of every run.")
     p.add_argument("--seeds", default="0,1,2", help="Run seeds (each runs both modes).")
+    p.add_argument(
+        "--admit-by", nargs="+", choices=["groups", "episodes"], default=["groups"], help="rollout.admit_by arms."
+    )
     p.add_argument("--sample-s", type=float, default=0.5, help="CPU sampling period.")
     p.add_argument("--timeout-s", type=float, default=900.0, help="Per-run time limit.")
     p.add_argument("--out", help="Write the results JSON here.")
@@ -115,12 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     env = avs.child_env()
     runs: list[dict[str, Any]] = []
     started = time.perf_counter()
+    arms = [(mode, admit_by) for mode in MODES for admit_by in args.admit_by]
     for i, seed in enumerate(seeds):
-        for mode in MODES if i % 2 == 0 else MODES[::-1]:  # alternate the order: drift falls on both
-            label = f"{mode}-seed{seed}"
-            overrides = [*base, f"seed={seed}", f"staleness.stale_prefix={mode}"]
+        for mode, admit_by in arms if i % 2 == 0 else arms[::-1]:  # alternate the order: drift falls on all
+            label = f"{mode}-{admit_by}-seed{seed}"
+            overrides = [*base, f"seed={seed}", f"staleness.stale_prefix={mode}", f"rollout.admit_by={admit_by}"]
             out = avs.run_one(label, args.recipe, overrides, work, env, args.sample_s, args.timeout_s)
-            out |= {"stale_prefix": mode, "seed": seed}
+            out |= {"stale_prefix": mode, "admit_by": admit_by, "seed": seed}
             if "error" not in out:
                 out |= token_shares(Path(out["run_dir"]))
                 _log(

@@ -43,6 +43,25 @@ def test_async_vs_sync_runs_both_tasks_and_reports_ratios(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
+def test_stale_prefix_runs_every_arm_and_counts_their_tokens(tmp_path: Path) -> None:
+    out = tmp_path / "sp.json"
+    sets = [
+        x
+        for o in ("trainer.steps=2", "model.warmup_steps=5", "model.warmup_target_accuracy=null")
+        for x in ("--set", o)
+    ]
+    proc = run_script(
+        "stale_prefix.py", "--seeds", "0", "--admit-by", "groups", "episodes", "--out", str(out), *sets, timeout=540
+    )
+    runs = json.loads(out.read_text())["runs"]
+    arms = {(r["stale_prefix"], r["admit_by"]) for r in runs}
+    assert arms == {(m, a) for m in ("discard", "mask") for a in ("groups", "episodes")}
+    for r in runs:
+        assert "error" not in r and r["model_tokens_sampled"] > 0 and r["regenerated_fraction"] is not None
+    assert "| mask | episodes | 1 |" in proc.stdout
+
+
+@pytest.mark.slow
 def test_controller_restart_rebuilds_a_synthetic_run_exactly(tmp_path: Path) -> None:
     """The restart benchmark fills real streams and runs the controller's real rebuild, which it checks itself
     (nothing refused, every group accounted for): a small run must pass those checks."""
