@@ -321,6 +321,10 @@ class EpisodeConfig(Strict):
     )
 
 
+# How a rollout worker's room for prompt groups comes free (miles.actors.seats).
+AdmitBy = Literal["groups", "episodes"]
+
+
 class RolloutConfig(Strict):
     workers: int = Field(2, ge=1, description="Rollout worker processes `miles run` starts.")
     engine: EngineConfig = Field(default_factory=TorchEngineConfig, description="Generation engine.")
@@ -329,7 +333,7 @@ class RolloutConfig(Strict):
     groups_in_flight: int = Field(
         4, ge=1, description="Prompt groups a worker plays at once; their episodes share the engine's batch."
     )
-    admit_by: Literal["groups", "episodes"] = Field(
+    admit_by: AdmitBy = Field(
         "groups",
         description="groups: a worker plays at most groups_in_flight groups, a group's room coming free when it is "
         "stored. episodes: it keeps at most groups_in_flight x group_size episodes running, each finished episode "

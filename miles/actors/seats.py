@@ -12,9 +12,8 @@ is stored, and the worker plays at most ``groups_in_flight`` groups. The fleet s
 from __future__ import annotations
 
 import asyncio
-from typing import Literal
 
-AdmitBy = Literal["groups", "episodes"]
+from miles.config import AdmitBy
 
 
 class Seats:

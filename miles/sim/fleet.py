@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from miles.actors.admission import AdmissionState, SampleOrder, issue_room, plan_batch
-from miles.actors.seats import AdmitBy
 from miles.bus.schema import GroupsDiscarded
+from miles.config import AdmitBy
 from miles.tasks.base import Sample
 from miles.training.intake import StalePrefix, classify, judged_version
 from miles.training.lineage import VersionLineage

@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# Two steps after a short warm-up: a smoke test checks the script, not the figures.
+SHORT_RUN = [
+    x for o in ("trainer.steps=2", "model.warmup_steps=5", "model.warmup_target_accuracy=null") for x in ("--set", o)
+]
 
 
 def run_script(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -25,12 +29,8 @@ def run_script(script: str, *args: str, timeout: float) -> subprocess.CompletedP
 @pytest.mark.slow
 def test_async_vs_sync_runs_both_tasks_and_reports_ratios(tmp_path: Path) -> None:
     out = tmp_path / "avs.json"
-    # Two steps, one eta each (a short warm-up: the smoke test checks the script, not the figures).
-    sets = [
-        x
-        for o in ("trainer.steps=2", "model.warmup_steps=5", "model.warmup_target_accuracy=null")
-        for x in ("--set", o)
-    ]
+    # Two steps, one eta each.
+    sets = SHORT_RUN
     proc = run_script("async_vs_sync.py", "--etas", "0,1", "--uniform-etas", "0", "--out", str(out), *sets, timeout=540)
     result = json.loads(out.read_text())
     runs = {r["label"]: r for r in result["runs"]}
@@ -45,11 +45,7 @@ def test_async_vs_sync_runs_both_tasks_and_reports_ratios(tmp_path: Path) -> Non
 @pytest.mark.slow
 def test_stale_prefix_runs_every_arm_and_counts_their_tokens(tmp_path: Path) -> None:
     out = tmp_path / "sp.json"
-    sets = [
-        x
-        for o in ("trainer.steps=2", "model.warmup_steps=5", "model.warmup_target_accuracy=null")
-        for x in ("--set", o)
-    ]
+    sets = SHORT_RUN
     proc = run_script(
         "stale_prefix.py", "--seeds", "0", "--admit-by", "groups", "episodes", "--out", str(out), *sets, timeout=540
     )
