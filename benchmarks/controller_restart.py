@@ -158,7 +158,7 @@ async def rebuild_once(controller: Any, expected: dict[str, int], kept_bytes: in
     got = {
         "issued": controller.state.issued,
         "discarded": controller.state.discarded,
-        "trained": controller.record.groups_trained,
+        "trained": controller.record.totals.groups,
     }
     refused = dict(controller.bus.refused)
     if got != {key: expected[key] for key in got} or any(refused.values()):

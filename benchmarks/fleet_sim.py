@@ -53,14 +53,15 @@ def preset(name: str, gpus: int, sigma: float, steps: int) -> FleetParams:
             dataset=2000,
         )
     # Fleet: one step trains 16 completions per GPU (groups of 16, groups_per_step = gpus); each engine's worker
-    # plays 3 groups, the engine's 48 rows; the measured steps are a steady-state window of a longer run.
+    # plays 3 groups, the engine's 48 rows; the measured steps are a steady-state window of a longer run: the
+    # last three quarters, a window long against a straggler's life (~20 steps at the 32k clip, sigma 1).
     return FleetParams(
         gpus=gpus,
         groups_per_step=gpus,
         group_size=16,
         groups_in_flight=3,
         steps=steps,
-        warmup_steps=10,
+        warmup_steps=steps // 4,
         open_ended=True,
         lengths=LengthModel(median=2000, sigma=sigma, prompt_share=0.5, max_len=32768),
         dataset=max(4096, 8 * gpus),
@@ -77,6 +78,7 @@ def row(r: FleetResult, sync: FleetResult | None) -> dict:
         "stale_prefix": p.stale_prefix if p.mode == "async" else "-",
         "admit_by": p.admit_by if p.mode == "async" else "-",
         "seed": p.seed,
+        "groups_in_flight": p.groups_in_flight,
         "rollout_gpus": r.rollout_gpus,
         "trainer_gpus": r.trainer_gpus,
         "samples_per_s": round(r.samples_per_s, 3),
@@ -108,12 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eta", type=int, nargs="+", default=[0, 1, 2, 4, 8])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--stale-prefix", nargs="+", choices=["discard", "mask"], default=["discard"])
-    ap.add_argument("--steps", type=int, default=None, help="default: 60 (fleet), 100 (machine)")
-    ap.add_argument("--groups-in-flight", type=int, default=None, help="per engine (default: the preset's)")
+    ap.add_argument("--steps", type=int, default=None, help="default: 120 (fleet), 100 (machine)")
+    ap.add_argument(
+        "--groups-in-flight", type=int, nargs="+", default=[None], help="per engine (default: the preset's)"
+    )
     ap.add_argument("--admit-by", nargs="+", choices=["groups", "episodes"], default=["groups"])
     ap.add_argument("--out", type=Path, default=None, help="write every row as JSON here")
     args = ap.parse_args(argv)
-    steps = args.steps or (100 if args.preset == "machine" else 60)
+    steps = args.steps or (100 if args.preset == "machine" else 120)
     gpus_list = [2] if args.preset == "machine" else args.gpus
     sigmas = [1.1] if args.preset == "machine" and args.sigma == [0.0, 0.5, 1.0] else args.sigma
     rows: list[dict] = []
@@ -122,17 +126,18 @@ def main(argv: list[str] | None = None) -> int:
         for sigma in sigmas:
             for seed in args.seeds:
                 base = dataclasses.replace(preset(args.preset, gpus, sigma, steps), seed=seed)
-                if args.groups_in_flight:
-                    base = dataclasses.replace(base, groups_in_flight=args.groups_in_flight)
                 sync = simulate(dataclasses.replace(base, mode="sync"))
                 rows.append(row(sync, sync))
-                for eta in args.eta:
-                    for prefix in args.stale_prefix:
-                        for admit_by in args.admit_by:
-                            run = dataclasses.replace(base, mode="async", eta=eta, stale_prefix=prefix)
-                            rows.append(row(simulate(dataclasses.replace(run, admit_by=admit_by)), sync))
+                for gif in args.groups_in_flight:
+                    played = dataclasses.replace(base, groups_in_flight=gif or base.groups_in_flight)
+                    for eta in args.eta:
+                        for prefix in args.stale_prefix:
+                            for admit_by in args.admit_by:
+                                run = dataclasses.replace(played, mode="async", eta=eta, stale_prefix=prefix)
+                                rows.append(row(simulate(dataclasses.replace(run, admit_by=admit_by)), sync))
     cols = [
-        "mode", "gpus", "sigma", "eta", "stale_prefix", "admit_by", "seed", "samples_per_s", "speedup_vs_sync",
+        "mode", "gpus", "sigma", "eta", "stale_prefix", "admit_by", "groups_in_flight", "seed", "samples_per_s",
+        "speedup_vs_sync",
         "bound_vs_sync", "fraction_of_bound", "staleness_mean", "staleness_max", "requeued", "requeued_len_mean",
         "trained_len_mean", "regenerated_fraction", "masked_fraction", "engine_fill", "trainer_busy",
     ]  # fmt: skip

@@ -1,6 +1,8 @@
 """Terminal progress of a ``miles run``: a live bar on a terminal, one line per step otherwise.
 
-It reads the run's METRICS stream like any other observer; nothing here is needed by the actors.
+It reads the run's METRICS stream like any other observer; nothing here is needed by the actors. A run started
+again in the same run directory is shown from where it stands: the controller's newest snapshot gives the
+steps done and the last evaluation, and only the reports stored after it are read.
 Each step shows reward, staleness and throughput, plus turns per episode and completion length when the
 task is multi-turn (an agent's episodes are what goes wrong first); each evaluation is printed as it
 arrives, with the step it measured.
@@ -18,6 +20,8 @@ import nats.errors
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from miles.actors.snapshots import newest_snapshot
+from miles.actors.step_totals import StepTotals
 from miles.bus.errors import BusError
 from miles.bus.follow import follow
 from miles.bus.schema import EvalResult, SchemaError, StepMetrics, decode_any
@@ -78,6 +82,8 @@ class ProgressView:
         # from step reports (step s publishes the version of step s + 1), the newest versions_kept(eta)
         self._version_steps = VersionSteps(versions_kept(self.cfg.staleness.max_staleness))
         self._print_every = max(1, cfg.trainer.steps // 20)  # plain (non-terminal) output: ~20 lines
+        self._steps_done = 0  # steps the controller's newest snapshot had counted when the view started
+        self._metrics_after = 0  # the METRICS sequence that snapshot had folded up to
 
     async def start(self) -> None:
         from miles.bus.client import Bus
@@ -89,6 +95,7 @@ class ProgressView:
         )
         # An observer like `miles top`: the monitor's identity (read-only) when the run has credentials.
         self._bus = await Bus.open(self.cfg.bus, self.nats_url, self.cfg.name, "launcher", role="monitor")
+        await self._start_from_snapshot()
         self._reader = asyncio.create_task(self._read(), name="progress.metrics")
         if self.live:
             self._progress = Progress(
@@ -101,12 +108,30 @@ class ProgressView:
                 transient=False,
             )
             self._progress.start()
-            self._task = self._progress.add_task("train", total=self.cfg.trainer.steps, info="starting actors...")
+            self._task = self._progress.add_task(
+                "train", total=self.cfg.trainer.steps, completed=self._steps_done, info="starting actors..."
+            )
+
+    async def _start_from_snapshot(self) -> None:
+        """Where a run started again stands (nothing on a fresh run: it has no snapshot yet)."""
+        snapshot = await newest_snapshot(self._bus)
+        if snapshot is None:
+            return
+        for version, step in snapshot.version_steps:
+            self._version_steps.learn(version, step)
+        evals = sorted(snapshot.record.evals)
+        self.last_eval = evals[-1][1] if evals else None
+        self._steps_done = len(StepTotals.from_part(snapshot.record.steps).steps)
+        self._metrics_after = snapshot.positions["metrics"]
+        if not self.quiet:
+            self.console.print(f"resuming at step {self._steps_done}/{self.cfg.trainer.steps}")
 
     async def _read(self) -> None:
         """Queue every metrics message, in order, for :meth:`refresh` (skipping unverifiable ones)."""
         s = self._bus.subjects
-        async for raw in follow(self._bus.nc, self._bus.js, s.metrics_stream, s.metrics_all, self._done, start="first"):
+        async for raw in follow(
+            self._bus.nc, self._bus.js, s.metrics_stream, s.metrics_all, self._done, after_seq=self._metrics_after
+        ):
             try:
                 message = decode_any(raw.data)
                 self._bus.check_signature(raw, message.KIND)

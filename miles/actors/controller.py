@@ -280,8 +280,8 @@ class Controller(Actor):
                 replayed=replayed,
                 issued=self.state.issued,
                 discarded=self.state.discarded,
-                trained=self.record.groups_trained,
-                steps=len(self.record.steps_seen),
+                trained=self.record.totals.groups,
+                steps=len(self.record.totals.steps),
                 evals=len(self.record.evals),
                 seconds=round(time.perf_counter() - started, 3),
             )
@@ -330,7 +330,7 @@ class Controller(Actor):
         self.bus.refused.update(snapshot.refused)
         self.bus.dead_lettered += snapshot.dead_lettered
         self.record.restore(snapshot.record)
-        self.snapshots["restored_from_step"] = len(self.record.steps_seen)
+        self.snapshots["restored_from_step"] = len(self.record.totals.steps)
         self._restored_positions = dict(snapshot.positions)
 
     async def _keep_snapshots(self, done: asyncio.Event) -> None:
@@ -340,7 +340,7 @@ class Controller(Actor):
         cut_at = max(self.snapshots["restored_from_step"], 0)
         kept = self._restored_positions  # the older of the two snapshots a restart may take
         while not done.is_set():
-            steps = len(self.record.steps_seen)
+            steps = len(self.record.totals.steps)
             if steps // every > cut_at // every:
                 async with self.gate.quiet():
                     await self._advance_idle_positions()
@@ -378,7 +378,7 @@ class Controller(Actor):
             return False
         await self.bus.publish(self.bus.subjects.snapshot, snapshot)
         self.snapshots["written"] += 1
-        self.log.info("snapshot_written", steps=len(self.record.steps_seen), positions=snapshot.positions)
+        self.log.info("snapshot_written", steps=len(self.record.totals.steps), positions=snapshot.positions)
         return True
 
     def _resume(self, done: asyncio.Event) -> None:
@@ -693,7 +693,7 @@ class Controller(Actor):
             if not replaying:
                 async with self.gate.outside():  # nothing changed yet: a snapshot may be cut while it waits
                     await self._announced(message.policy_version)
-            refusal = trust.step_refusal(message, version_steps=self.version_steps, recorded=self.record.steps_seen)
+            refusal = trust.step_refusal(message, version_steps=self.version_steps, recorded=self.record.totals.steps)
             if refusal is None:
                 lags = [
                     message.step - self.version_steps[hb.version]
@@ -864,7 +864,7 @@ class Controller(Actor):
             )
         else:
             await self._read_back(final)
-        outstanding = self.state.issued - self.state.discarded - self.record.groups_trained
+        outstanding = self.state.issued - self.state.discarded - self.record.totals.groups
         summary = self.record.write_summary(
             status="complete",
             final_eval="done" if final is not None else f"timed out after {self.cfg.eval.final_timeout_s:g} s",

@@ -7,10 +7,11 @@ stream and the weight announcements have been replayed) and exits. ``--prometheu
 ``monitor.prometheus_port``; 0 = any free port, logged as ``prometheus_listening``) serves the same
 snapshot on ``/metrics`` (:mod:`miles.monitoring.prom` lists the families).
 
-It publishes nothing and acks nothing: heartbeats come over core NATS, metrics and weight
-announcements are read in order from the METRICS and EVENTS streams by direct gets (:mod:`miles.bus.follow`),
-queue depths come from stream and consumer info. With the run's keys, a signed kind without a valid
-signature is skipped and counted (``alarms``), never shown. The model is
+It publishes nothing and acks nothing: heartbeats come over core NATS; it starts from the controller's newest
+snapshot (the run's totals so far, its version map and its evaluations: the steps whose reports were purged are
+in it), then reads metrics and weight announcements in order from what the METRICS and EVENTS streams still hold,
+by direct gets (:mod:`miles.bus.follow`); queue depths come from stream and consumer info. With the run's keys,
+a signed kind without a valid signature is skipped and counted (``alarms``), never shown. The model is
 :class:`miles.monitoring.state.RunState`, the view :mod:`miles.monitoring.view`.
 
 Versions are unique ids (a trainer restart jumps them), so every lag is in lineage steps: the
@@ -45,8 +46,9 @@ truncated, groups_without_signal, length_mean/p50/p90/max, turns_mean, tool_call
 env_s_mean, template_mismatches, the loss terms, grad_norm, lr, ...);
 ``lengths``: ``last`` ``{mean, p50, p90, max}``, ``trend`` (``[{step, mean, p50, p90, max}]``,
 last ``monitor.reward_points`` steps), ``sparkline`` (of the means);
-``trained``: totals over the steps seen of samples, episodes, infra_excluded, reward_failed,
-truncated, groups_without_signal, tool_calls, parse_errors, template_mismatches;
+``trained``: totals over the steps seen (``miles.actors.step_totals.SUMMED``, the same fold as summary.json) of
+samples, episodes, infra_excluded, reward_failed, truncated, groups_without_signal, sandbox_failures,
+tool_calls, parse_errors, template_mismatches, model_tokens, stale_tokens_masked;
 ``discards``: ``dropped``, ``requeued``, ``duplicates`` (trainer heartbeat);
 ``controller``: ``{issued, discarded}``; ``dead_lettered`` (``<run>_DLQ`` size); ``refused``
 (``{category: n}`` summed over the actors' heartbeats: malformed, unsigned, untrusted), ``refused_total``,
@@ -73,6 +75,7 @@ from nats.aio.msg import Msg
 
 from miles.actors import trust
 from miles.actors.base import Actor
+from miles.actors.snapshots import newest_snapshot
 from miles.bus.errors import BusError
 from miles.bus.follow import follow, last_message
 from miles.bus.schema import Heartbeat, Message, SchemaError, WeightsAnnounced, decode_any
@@ -173,6 +176,15 @@ class Monitor(Actor):
             dead_lettered=int(dlq.state.messages),
         )
 
+    async def _start_from_snapshot(self) -> None:
+        """The run so far, as the controller's newest snapshot folded it (nothing before the first one: the
+        streams then still hold the whole run). One that cannot be believed is counted and the one before taken."""
+        snapshot = await newest_snapshot(self.bus)
+        if snapshot is not None:
+            self.state.start_from(snapshot)
+            self.log.info("monitor_started_from_snapshot", steps=len(self.state.totals.steps))
+        self.state.unverified += self.bus.refused["unsigned"]  # a forged snapshot, refused
+
     async def _metrics_last_seq(self) -> int:
         with contextlib.suppress(nats.errors.Error):
             return int((await self.bus.js.stream_info(self.bus.subjects.metrics_stream)).state.last_seq)
@@ -221,6 +233,7 @@ class Monitor(Actor):
         ]
         replay_to = await self._metrics_last_seq()
         weights_to = await self._weights_last_seq()
+        await self._start_from_snapshot()
         readers = [
             asyncio.create_task(self._follow_metrics(), name="monitor.metrics"),
             asyncio.create_task(self._follow_weights(), name="monitor.weights"),

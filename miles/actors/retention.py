@@ -12,8 +12,9 @@ TRAJ, EVENTS and METRICS have no age limit. They are bounded instead by what rec
   After writing a snapshot it purges METRICS up to the older snapshot's position and EVENTS up to the lower of
   that snapshot's positions and the trainer's floor (:func:`release_events_and_metrics`).
 
-Rollout workers read announcements from the newest on, and a monitor shows what METRICS still holds: the run
-directory's record (metrics.jsonl, groups.jsonl, evals.jsonl) is the history.
+Rollout workers read announcements from the newest on, and a monitor starts from the controller's newest
+snapshot and reads what METRICS still holds after it: the run directory's record (metrics.jsonl, groups.jsonl,
+evals.jsonl) is the history, line by line.
 """
 
 from __future__ import annotations

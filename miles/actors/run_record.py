@@ -22,12 +22,12 @@ from typing import Any, TextIO
 
 import structlog
 
+from miles.actors.step_totals import StepTotals
 from miles.bus.schema import EvalResult, GroupsIssued, RecordPart, StepMetrics
-from miles.training.lineage import IndexSet
 
 log = structlog.get_logger(__name__)
 
-# Step metrics that are not per-step means of their own but counts summed into summary.json.
+# The step totals summary.json reports under their own names (the fold sums more: miles.actors.step_totals).
 EPISODE_SUMS = (
     "infra_excluded",
     "reward_failed",
@@ -35,8 +35,8 @@ EPISODE_SUMS = (
     "parse_errors",
     "truncated",
     "sandbox_failures",
-    "model_tokens",  # sampled tokens of the trained batches
-    "stale_tokens_masked",  # of which left out of the loss as too old (staleness.stale_prefix: mask)
+    "model_tokens",
+    "stale_tokens_masked",
 )
 
 
@@ -67,24 +67,6 @@ def write_json_atomically(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-class StalenessTotals:
-    """Sum, count and maximum of the trained groups' staleness (what summary.json reports of them)."""
-
-    def __init__(self) -> None:
-        self.total = 0
-        self.count = 0
-        self.max = 0
-
-    def add(self, lags: list[int]) -> None:
-        self.total += sum(lags)
-        self.count += len(lags)
-        self.max = max(self.max, *lags) if lags else self.max
-
-    @property
-    def mean(self) -> float:
-        return self.total / self.count if self.count else 0.0
-
-
 class RunRecord:
     """Appends step metrics, evaluations and ledger lines; writes the summary at the end."""
 
@@ -106,16 +88,11 @@ class RunRecord:
         self.evals: dict[int, float] = {}  # steps trained into the evaluated version -> accuracy
         self.eval_lengths: dict[int, float] = {}  # ... -> mean completion tokens (under eval.max_new_tokens)
         self.eval_versions: dict[int, int] = {}  # requested version -> step
-        self.staleness = StalenessTotals()  # over every trained group: bounded for any run length
-        self.groups_trained = 0
-        self.samples_trained = 0
+        self.totals = StepTotals()  # over every step report, bounded for any run length (the monitor folds the same)
         self.dropped = 0
         self.requeued = 0
         self.discard_reasons: dict[str, int] = {}
         self.discarded_tokens: dict[str, int] = {}  # reason -> sampled tokens of the groups discarded for it
-        self.episode_sums: dict[str, float] = {}
-        self.steps_seen = IndexSet()  # steps recorded: a floor and the few above it, bounded for any run length
-        self.steps_replayed = 0
         self.groups_issued = 0
         self.last_step: StepMetrics | None = None
         self.rebuilding = False
@@ -196,19 +173,12 @@ class RunRecord:
 
     def step(self, msg: StepMetrics, t: float | None = None, **extra: float) -> None:
         """A step's line and its ledger lines; ``t`` is when the report was stored (default now)."""
-        if msg.step in self.steps_seen:  # a replayed step (a trainer restart re-trained a lost step)
-            self.steps_replayed += int(msg.replayed)
+        if not self.totals.add(msg):  # a replayed step (a trainer restart re-trained a lost step)
             return
         t = time.time() if t is None else t
         previous = self._previous_lines.get(msg.step, {})
         extra = {k: previous.get(k, v) for k, v in extra.items()} if self.rebuilding else extra
-        self.steps_seen.add(msg.step)
         self.last_step = msg
-        self.staleness.add(msg.staleness)
-        self.groups_trained += len(msg.trained_group_ids)
-        self.samples_trained += int(msg.metrics.get("samples", 0))
-        for key in EPISODE_SUMS:
-            self.episode_sums[key] = self.episode_sums.get(key, 0.0) + msg.metrics.get(key, 0.0)
         for gid, lag in zip(msg.trained_group_ids, msg.staleness, strict=True):
             self.ledger("trained", t, group_id=gid, step=msg.step, staleness=lag)
         line = {
@@ -257,17 +227,11 @@ class RunRecord:
         version_of = {step: version for version, step in self.eval_versions.items()}
         return RecordPart(
             evals=[(step, acc, self.eval_lengths[step], version_of.get(step, -1)) for step, acc in self.evals.items()],
-            staleness=(self.staleness.total, self.staleness.count, self.staleness.max),
-            groups_trained=self.groups_trained,
-            samples_trained=self.samples_trained,
+            steps=self.totals.part(),
             dropped=self.dropped,
             requeued=self.requeued,
             discard_reasons=dict(self.discard_reasons),
             discarded_tokens=dict(self.discarded_tokens),
-            episode_sums=dict(self.episode_sums),
-            steps_floor=self.steps_seen.floor,
-            steps_above=sorted(self.steps_seen.above),
-            steps_replayed=self.steps_replayed,
             groups_issued=self.groups_issued,
             file_sizes={
                 path.name: path.stat().st_size if path.exists() else 0
@@ -281,14 +245,11 @@ class RunRecord:
             self.evals[step], self.eval_lengths[step] = accuracy, length
             if version >= 0:
                 self.eval_versions[version] = step
-        self.staleness.total, self.staleness.count, self.staleness.max = part.staleness
-        self.groups_trained, self.samples_trained = part.groups_trained, part.samples_trained
+        self.totals = StepTotals.from_part(part.steps)
         self.dropped, self.requeued = part.dropped, part.requeued
         self.discard_reasons = dict(part.discard_reasons)
         self.discarded_tokens = dict(part.discarded_tokens)
-        self.episode_sums = dict(part.episode_sums)
-        self.steps_seen = IndexSet.from_json({"floor": part.steps_floor, "above": part.steps_above})
-        self.steps_replayed, self.groups_issued = part.steps_replayed, part.groups_issued
+        self.groups_issued = part.groups_issued
 
     def close(self) -> None:
         """Close the record's files and the TensorBoard / W&B writers (idempotent)."""
@@ -308,16 +269,16 @@ class RunRecord:
             "eval_length_before": self.eval_lengths.get(0),
             "eval_length_after": self.eval_lengths[steps[-1]] if steps else None,
             "wall_s": round(time.time() - self.started_at, 2),
-            "staleness_mean": self.staleness.mean,
-            "staleness_max": self.staleness.max,
-            "trajectories_trained": self.groups_trained,
-            "samples_trained": self.samples_trained,
+            "staleness_mean": self.totals.staleness_mean,
+            "staleness_max": self.totals.staleness_max,
+            "trajectories_trained": self.totals.groups,
+            "samples_trained": int(self.totals.sums.get("samples", 0.0)),
             "trajectories_dropped": self.dropped + self.requeued,
             "trajectories_requeued": self.requeued,
             "discard_reasons": dict(sorted(self.discard_reasons.items())),
             "model_tokens_discarded": dict(sorted(self.discarded_tokens.items())),
-            "steps_replayed": self.steps_replayed,
-            **{key: self.episode_sums.get(key, 0.0) for key in EPISODE_SUMS},
+            "steps_replayed": self.totals.replayed,
+            **{key: self.totals.sums.get(key, 0.0) for key in EPISODE_SUMS},
             "weights_verified": 0,
             "weights_mismatches": 0,
             **fields,

@@ -513,21 +513,25 @@ class EvaluationPart(_Part):
     result: EvalResult | None = Field(description="Its result, once complete.")
 
 
+class StepTotalsPart(_Part):
+    """The totals over the step reports (:class:`miles.actors.step_totals.StepTotals`)."""
+
+    steps_floor: Count = Field(description="Steps below this are counted ...")
+    steps_above: list[Count] = Field(description="... and these above it.")
+    staleness: list[tuple[Count, Count]] = Field(description="Staleness -> trained groups.")
+    sums: dict[str, float] = Field(description="Counting metrics summed over the steps (samples, episodes, ...).")
+    replayed: Count = Field(description="Reports of a counted step sent again after a trainer restart.")
+
+
 class RecordPart(_Part):
     evals: list[tuple[Count, float, float, Version]] = Field(
         description="(step, accuracy, mean completion tokens, requested version) per recorded evaluation."
     )
-    staleness: tuple[Count, Count, Count] = Field(description="Sum, count and maximum of trained groups' staleness.")
-    groups_trained: Count
-    samples_trained: Count
+    steps: StepTotalsPart
     dropped: Count
     requeued: Count
     discard_reasons: dict[str, Count]
     discarded_tokens: dict[str, Count]
-    episode_sums: dict[str, float]
-    steps_floor: Count = Field(description="Steps below this are recorded ...")
-    steps_above: list[Count] = Field(description="... and these above it.")
-    steps_replayed: Count
     groups_issued: Count
     file_sizes: dict[str, Count] = Field(description="Bytes of metrics.jsonl, evals.jsonl, groups.jsonl at the cut.")
 

@@ -8,6 +8,10 @@ the rich view and the Prometheus exporter.
 
 Lags are in lineage steps, never version differences: versions are unique ids that jump past a
 trainer restart (:class:`~miles.training.lineage.VersionSteps`).
+
+A monitor that starts late starts from the controller's newest snapshot (:meth:`RunState.start_from`): its
+totals over the steps are the controller's own fold (:class:`~miles.actors.step_totals.StepTotals`), so it
+shows the whole run even when the oldest step reports were purged, and a report it reads again counts once.
 """
 
 from __future__ import annotations
@@ -17,24 +21,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles.bus.schema import EvalResult, Heartbeat, StepMetrics, TrainerDone, WeightsAnnounced
+from miles.actors.step_totals import SUMMED, StepTotals
+from miles.bus.schema import ControllerSnapshot, EvalResult, Heartbeat, StepMetrics, TrainerDone, WeightsAnnounced
 from miles.monitoring.episodes import engine_flags, episode_summary, summed
 from miles.training.audit import audit_alarm
 from miles.training.lineage import VersionSteps
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
-# Step metrics that count episodes or events of the step: summed over the steps seen into ``trained``.
-STEP_COUNTS = (
-    "samples",
-    "episodes",
-    "infra_excluded",
-    "reward_failed",
-    "truncated",
-    "groups_without_signal",
-    "tool_calls",
-    "parse_errors",
-    "template_mismatches",
-)
 LENGTH_STATS = ("mean", "p50", "p90", "max")  # of the trained completions' model tokens, per step
 
 
@@ -93,14 +86,13 @@ class RunState:
     trainer: Heartbeat | None = None
     controller: Heartbeat | None = None
     workers: dict[str, WorkerView] = field(default_factory=dict)
-    steps_seen: set[int] = field(default_factory=set)
+    totals: StepTotals = field(default_factory=StepTotals)
     last_step: StepMetrics | None = None
     last_step_t: float | None = None
-    staleness_hist: dict[int, int] = field(default_factory=dict)
-    rewards: deque[tuple[int, float]] = field(default_factory=deque)
-    lengths: deque[tuple[int, dict[str, float]]] = field(default_factory=deque)
-    trained: dict[str, float] = field(default_factory=dict)
+    rewards: dict[int, float] = field(default_factory=dict)  # step -> reward mean, the newest reward_points steps
+    lengths: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> LENGTH_STATS, the same steps
     eval_results: dict[tuple[str, int, int], EvalResult] = field(default_factory=dict)
+    eval_steps: dict[int, int | None] = field(default_factory=dict)  # evaluated version -> its step (None: unknown)
     versions: VersionSteps = field(default_factory=VersionSteps)
     done: TrainerDone | None = None
     prompts_waiting: int | None = None
@@ -110,7 +102,6 @@ class RunState:
     unverified: int = 0  # messages this monitor skipped: no valid signature where the run signs
     trained_groups: CounterRate = field(init=False)
     trained_tokens: CounterRate = field(init=False)
-    _groups_total: int = 0
     _tokens_total: float = 0.0
 
     def __post_init__(self) -> None:
@@ -142,6 +133,25 @@ class RunState:
 
     # ------------------------------------------------------------------ inputs
 
+    def start_from(self, snapshot: ControllerSnapshot) -> None:
+        """Take the controller's snapshot as the run so far: its step totals, its version map, its evaluations.
+        Step reports read afterwards count only if the snapshot had not counted their step."""
+        self.totals = StepTotals.from_part(snapshot.record.steps)
+        for version, step in snapshot.version_steps:
+            self._learn(version, step)
+        for step, _accuracy, _length, version in snapshot.record.evals:
+            if version >= 0:
+                self.eval_steps[version] = step
+        for part in snapshot.evaluations:
+            if part.result is not None:
+                self.on_eval(part.result)
+
+    def _learn(self, version: int, step: int) -> None:
+        """A version's step; an evaluation of it keeps the step after the version map has forgotten it."""
+        self.versions.learn(version, step)
+        if version in self.eval_steps and self.eval_steps[version] is None:
+            self.eval_steps[version] = step
+
     def on_heartbeat(self, hb: Heartbeat) -> None:
         counts = {k: v for k, v in hb.stats.items() if k == "dead_lettered" or k.startswith("refused_")}
         if counts:
@@ -150,11 +160,11 @@ class RunState:
             if self.trainer is None or hb.ts >= self.trainer.ts:
                 self.trainer = hb
             if "step" in hb.stats:
-                self.versions.learn(hb.version, int(hb.stats["step"]))
+                self._learn(hb.version, int(hb.stats["step"]))
         elif hb.role == "controller":
             self.controller = hb
             if "trainer_step" in hb.stats:
-                self.versions.learn(hb.version, int(hb.stats["trainer_step"]))
+                self._learn(hb.version, int(hb.stats["trainer_step"]))
         elif hb.role == "rollout":
             view = self.workers.get(hb.actor_id)
             if view is None:
@@ -166,40 +176,37 @@ class RunState:
             view.groups.add(hb.ts, hb.stats.get("groups", 0.0))
 
     def on_step(self, msg: StepMetrics, t: float) -> None:
-        """A step report; ``t`` is when it was published (JetStream timestamp). Re-sent steps count once."""
-        self.versions.learn(msg.policy_version, msg.step + 1)  # a replayed step's new version too
-        if msg.step in self.steps_seen:
-            return
-        self.steps_seen.add(msg.step)
-        for lag in msg.staleness:
-            self.staleness_hist[lag] = self.staleness_hist.get(lag, 0) + 1
+        """A step report; ``t`` is when it was published (JetStream timestamp). A step counts once in the totals
+        (re-sent after a trainer restart, or counted by the snapshot the monitor started from); the trends and
+        the last step show its newest report."""
+        self._learn(msg.policy_version, msg.step + 1)  # a replayed step's new version too
         if self.last_step is None or msg.step >= self.last_step.step:
             self.last_step, self.last_step_t = msg, t
         if "reward_mean" in msg.metrics:
-            self.rewards.append((msg.step, msg.metrics["reward_mean"]))
-            self.rewards = deque(sorted(self.rewards)[-self.reward_points :])
+            self.rewards[msg.step] = msg.metrics["reward_mean"]
+            _keep_newest(self.rewards, self.reward_points)
         if "length_mean" in msg.metrics:
-            point = {k: msg.metrics.get(f"length_{k}", 0.0) for k in LENGTH_STATS}
-            self.lengths.append((msg.step, point))
-            self.lengths = deque(sorted(self.lengths, key=lambda p: p[0])[-self.reward_points :])
-        for key in STEP_COUNTS:
-            if key in msg.metrics:
-                self.trained[key] = self.trained.get(key, 0.0) + msg.metrics[key]
-        self._groups_total += len(msg.trained_group_ids)
+            self.lengths[msg.step] = {k: msg.metrics.get(f"length_{k}", 0.0) for k in LENGTH_STATS}
+            _keep_newest(self.lengths, self.reward_points)
+        if not self.totals.add(msg):
+            return
         self._tokens_total += msg.metrics.get("tokens_per_s", 0.0) * msg.metrics.get("step_s", 0.0)
-        self.trained_groups.add(t, self._groups_total)
+        self.trained_groups.add(t, self.totals.groups)
         self.trained_tokens.add(t, self._tokens_total)
 
     def on_eval(self, msg: EvalResult) -> None:
-        """An evaluation; its step is resolved at snapshot time (its version's announcement may come later)."""
+        """An evaluation; its step may be learnt later (its version's announcement can come after it)."""
         self.eval_results.setdefault((msg.eval_id, msg.requested_version, msg.policy_version), msg)
+        version = _eval_version(msg)
+        if self.eval_steps.get(version) is None:
+            self.eval_steps[version] = self.versions.step_of(version)
 
     def on_weights(self, msg: WeightsAnnounced) -> None:
-        self.versions.learn(msg.version, msg.step)
+        self._learn(msg.version, msg.step)
 
     def on_done(self, msg: TrainerDone) -> None:
         self.done = msg
-        self.versions.learn(msg.policy_version, msg.steps)
+        self._learn(msg.policy_version, msg.steps)
 
     def absorb(self, message: Any, t: float) -> None:
         """Route any decoded bus message (others are ignored)."""
@@ -259,10 +266,9 @@ class RunState:
         """Every evaluation with the lineage step of the version it was requested for, oldest step first."""
         out = []
         for msg in self.eval_results.values():
-            version = msg.requested_version if msg.requested_version >= 0 else msg.policy_version
             out.append(
                 {
-                    "step": self.versions.step_of(version),
+                    "step": self.eval_steps.get(_eval_version(msg)),
                     "requested_version": msg.requested_version,
                     "policy_version": msg.policy_version,
                     "accuracy": msg.accuracy,
@@ -273,10 +279,11 @@ class RunState:
         return sorted(out, key=lambda e: (e["step"] is None, e["step"] or 0))  # stable: arrival order within a step
 
     def _lengths(self) -> dict[str, Any]:
-        means = [point["mean"] for _, point in self.lengths]
+        points = sorted(self.lengths.items())
+        means = [point["mean"] for _, point in points]
         return {
-            "last": {k: round(v, 2) for k, v in self.lengths[-1][1].items()} if self.lengths else None,
-            "trend": [{"step": step, **{k: round(v, 2) for k, v in point.items()}} for step, point in self.lengths],
+            "last": {k: round(v, 2) for k, v in points[-1][1].items()} if points else None,
+            "trend": [{"step": step, **{k: round(v, 2) for k, v in point.items()}} for step, point in points],
             "sparkline": sparkline(means),
         }
 
@@ -334,11 +341,10 @@ class RunState:
                 "staleness_max": max(step.staleness, default=0),
                 **{k: round(val, 6) if math.isfinite(val) else None for k, val in step.metrics.items()},
             }
-        hist_top = max([self.max_staleness, *self.staleness_hist])
-        histogram = {str(k): self.staleness_hist.get(k, 0) for k in range(hist_top + 1)}
-        trained = sum(self.staleness_hist.values())
-        staleness_sum = sum(k * n for k, n in self.staleness_hist.items())
-        rewards = [r for _, r in self.rewards]
+        staleness = self.totals.staleness
+        hist_top = max([self.max_staleness, *staleness])
+        histogram = {str(k): staleness.get(k, 0) for k in range(hist_top + 1)}
+        rewards = [r for _, r in sorted(self.rewards.items())]
         eval_results = self._evals()
         evals = {e["step"]: e["accuracy"] for e in reversed(eval_results) if e["step"] is not None}  # first wins
         evals = dict(sorted(evals.items()))
@@ -351,12 +357,12 @@ class RunState:
             "trainer_step": tstep,
             "trainer_alive": self.trainer is not None and now - self.trainer.ts <= self.stale_after_s,
             "max_staleness": self.max_staleness,
-            "steps_seen": len(self.steps_seen),
+            "steps_seen": len(self.totals.steps),
             "workers": workers,
             "worker_lag_max": max(lags, default=None),
             "staleness_histogram": histogram,
-            "staleness_mean": round(staleness_sum / trained, 4) if trained else None,
-            "staleness_over_bound": sum(n for k, n in self.staleness_hist.items() if k > self.max_staleness),
+            "staleness_mean": round(self.totals.staleness_mean, 4) if staleness else None,
+            "staleness_over_bound": sum(n for k, n in staleness.items() if k > self.max_staleness),
             "queues": {
                 "prompts_waiting": self.prompts_waiting,
                 "trajectories_waiting": self.trajectories_waiting,
@@ -377,7 +383,7 @@ class RunState:
             },
             "last_step": last_step,
             "lengths": self._lengths(),
-            "trained": {k: int(self.trained.get(k, 0.0)) for k in STEP_COUNTS},
+            "trained": {k: int(self.totals.sums.get(k, 0.0)) for k in SUMMED},
             "rollout_episodes": rollout,
             "engine_errors": [wid for wid, w in workers.items() if w["engine_error"]],
             "engine_load_failures": sum(w["engine_load_failures"] for w in workers.values()),
@@ -401,3 +407,14 @@ class RunState:
             "eval_results": eval_results,
             "eval_accuracy": evals[max(evals)] if evals else None,
         }
+
+
+def _eval_version(msg: EvalResult) -> int:
+    """The version an evaluation was issued for (its step is that version's)."""
+    return msg.requested_version if msg.requested_version >= 0 else msg.policy_version
+
+
+def _keep_newest(points: dict[int, Any], n: int) -> None:
+    """Drop the oldest steps of ``points`` beyond ``n``."""
+    for step in sorted(points)[: max(0, len(points) - n)]:
+        del points[step]

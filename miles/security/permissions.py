@@ -347,6 +347,9 @@ def _monitor(n: RunNames, inbox: str, compat: bool) -> Permissions:
         # metrics and announcements, in order, by direct get (woken by core subscriptions)
         *_direct(s.metrics_stream, s.events_stream),
         *_direct_last(s.events_stream),
+        # the controller's newest snapshot, the run so far (the end of the stream by leader read)
+        *_direct(s.snapshot_stream),
+        *_msg_get(s.snapshot_stream),
         *_kv_read(s.state_bucket),
     ]
     if compat:

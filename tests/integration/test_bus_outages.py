@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +28,7 @@ from miles.bus.schema import ControllerSnapshot
 from miles.bus.server import EmbeddedNats
 from miles.bus.streams import ensure_run_streams
 from miles.bus.subjects import Subjects
+from miles.launch import node_command
 from miles.ports import free_port
 from miles.prepare import prepare
 from tests.integration.harness import (
@@ -228,7 +231,17 @@ async def _newest_snapshot(url: str, cfg: Any) -> ControllerSnapshot | None:
 def _snapshot_steps(url: str, cfg: Any) -> int:
     """Steps recorded in the newest snapshot on the bus (-1: none yet)."""
     snapshot = asyncio.run(_newest_snapshot(url, cfg))
-    return -1 if snapshot is None else len(snapshot.record.steps_above) + snapshot.record.steps_floor
+    return -1 if snapshot is None else len(snapshot.record.steps.steps_above) + snapshot.record.steps.steps_floor
+
+
+def _monitor_once(cluster: Cluster) -> dict[str, Any]:
+    """What ``miles-node --role monitor --json --once`` shows of the run."""
+    cmd = node_command(
+        "monitor", cluster.config_path, cluster.run_dir / "monitor", cluster.nats_url, "--json", "--once"
+    )
+    done = subprocess.run(cmd, capture_output=True, timeout=120, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    return json.loads(done.stdout.decode().strip().splitlines()[-1])
 
 
 async def _purge_to(url: str, cfg: Any, snapshot: ControllerSnapshot) -> dict[str, int]:
@@ -254,7 +267,8 @@ def test_a_controller_restarted_on_streams_purged_to_its_snapshot(tmp_path: Path
     controller is killed once its snapshot of 6 steps is stored, and EVENTS and METRICS are purged of everything
     that snapshot holds. The restarted controller takes the snapshot and the few messages after it: no step
     report refused, no group id issued twice, discards and admission credits exact, and summary.json equals the
-    streams (as read before the purge, and after)."""
+    streams (as read before the purge, and after). A monitor attached at the end shows the whole run, as
+    summary.json does: the reports and evaluations the purge took are in the snapshot it starts from."""
     server = EmbeddedNats(tmp_path / "bus")
     server.start_sync()
     # The test purges the streams itself (as stream limits would): the actors purge nothing (the harness sets
@@ -266,7 +280,8 @@ def test_a_controller_restarted_on_streams_purged_to_its_snapshot(tmp_path: Path
         cluster.wait_stopped("trainer-0", 240, "the trainer's 8th step")
         cluster.wait_for(
             lambda: (
-                (snap := asyncio.run(_newest_snapshot(server.url, cfg))) is not None and snap.record.steps_floor >= 6
+                (snap := asyncio.run(_newest_snapshot(server.url, cfg))) is not None
+                and snap.record.steps.steps_floor >= 6
             ),
             60,
             "a snapshot of 6 steps",
@@ -279,12 +294,20 @@ def test_a_controller_restarted_on_streams_purged_to_its_snapshot(tmp_path: Path
         cluster.start("controller-1", "controller", "--actor-id", "controller")
         cluster.resume("trainer-0")
         _finish(cluster, server.url, killed=("controller",), read_before=read_before)
+        seen = _monitor_once(cluster)  # a monitor attached now: its first reports were purged
     finally:
         cluster.stop()
         server.stop_sync()
     assert all(first > 1 for first in kept.values()), (kept, snapshot.positions)  # the purge took from both
+    summary = json.loads((cluster.run_dir / "summary.json").read_text())
+    assert seen["steps_seen"] == cfg.trainer.steps
+    assert sum(seen["staleness_histogram"].values()) == summary["trajectories_trained"]
+    assert seen["staleness_mean"] == round(summary["staleness_mean"], 4)
+    assert seen["trained"]["samples"] == summary["samples_trained"]
+    evals = [json.loads(line) for line in (cluster.run_dir / "evals.jsonl").read_text().splitlines()]
+    assert seen["evals"] == {str(e["step"]): e["eval_accuracy"] for e in evals} and "0" in seen["evals"]
     rebuilt = [json.loads(line) for line in cluster.log("controller-1").splitlines() if "controller_rebuilt" in line]
-    assert rebuilt and rebuilt[0]["snapshot_step"] == snapshot.record.steps_floor
+    assert rebuilt and rebuilt[0]["snapshot_step"] == snapshot.record.steps.steps_floor
     _nothing_refused(cluster)
     lines = [json.loads(line) for line in (cluster.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in lines] == list(range(cfg.trainer.steps))

@@ -10,6 +10,7 @@ from pathlib import Path
 from miles.actors.admission import AdmissionState
 from miles.actors.run_record import RunRecord
 from miles.actors.snapshots import FoldGate
+from miles.actors.step_totals import StepTotals
 from miles.actors.weight_audit import WeightAudit
 from miles.bus.schema import (
     ControllerSnapshot,
@@ -95,7 +96,7 @@ async def test_every_part_survives_the_wire_and_restores_the_same_state(tmp_path
     restored = RunRecord(tmp_path)
     restored.restore(snapshot.record)
     assert restored.write_summary() | {"wall_s": 0} == record.write_summary() | {"wall_s": 0}
-    assert 2 in restored.steps_seen and 1 not in restored.steps_seen and restored.eval_versions == {1: 1}
+    assert 2 in restored.totals.steps and 1 not in restored.totals.steps and restored.eval_versions == {1: 1}
     restored.close()
 
 
@@ -143,17 +144,11 @@ def _wire_carrier(ev: object) -> ControllerSnapshot:
 def _empty_record_part() -> RecordPart:
     return RecordPart(
         evals=[],
-        staleness=(0, 0, 0),
-        groups_trained=0,
-        samples_trained=0,
+        steps=StepTotals().part(),
         dropped=0,
         requeued=0,
         discard_reasons={},
         discarded_tokens={},
-        episode_sums={},
-        steps_floor=0,
-        steps_above=[],
-        steps_replayed=0,
         groups_issued=0,
         file_sizes={},
     )
@@ -176,7 +171,7 @@ def test_a_restart_cuts_the_files_back_to_the_snapshot_and_writes_the_rest_once(
     again.end_rebuild()
     assert [row["step"] for row in _lines(again.metrics_path)] == [0, 1]
     assert [row["event"] for row in _lines(again.ledger_path)] == ["issued"] * 2 + ["trained"] * 4
-    assert again.groups_trained == 4
+    assert again.totals.groups == 4
     again.close()
 
 
@@ -192,7 +187,7 @@ def test_a_run_directory_shorter_than_the_snapshot_is_kept_and_said(tmp_path: Pa
     again.step(_step(1), t=3.0)
     again.end_rebuild()
     assert [row["step"] for row in _lines(again.metrics_path)] == [1]
-    assert again.groups_trained == 4  # the totals are the snapshot's, exact
+    assert again.totals.groups == 4  # the totals are the snapshot's, exact
     again.close()
 
 

@@ -52,6 +52,6 @@ def test_the_summary_totals_stay_bounded_and_exact(tmp_path: Path) -> None:
         record.step(_step(step), t=float(step))
     summary = record.write_summary()
     assert summary["staleness_mean"] == 0.5 and summary["staleness_max"] == 1
-    assert summary["trajectories_trained"] == 100 and len(record.steps_seen) == 50
-    assert record.steps_seen.floor == 50 and not record.steps_seen.above  # one integer for 50 steps
+    assert summary["trajectories_trained"] == 100 and len(record.totals.steps) == 50
+    assert record.totals.steps.floor == 50 and not record.totals.steps.above  # one integer for 50 steps
     record.close()
