@@ -338,7 +338,9 @@ class RolloutConfig(Strict):
         description="groups: a worker plays at most groups_in_flight groups, a group's room coming free when it is "
         "stored. episodes: it keeps at most groups_in_flight x group_size episodes running, each finished episode "
         "making room at once, so on long-tailed lengths the next group starts while a long group's last episode "
-        "still runs (the engine's rows stay busy; the worker may then hold more than groups_in_flight groups).",
+        "still runs (the engine's rows stay busy; the worker may then hold more than groups_in_flight groups). "
+        "Give it one group more than the engine's rows, so a freed row never waits for a whole group's seats "
+        "(docs/staleness.md).",
     )
     episode: EpisodeConfig = Field(default_factory=EpisodeConfig, description="Turn, token and time limits.")
     sandbox: SandboxConfig = Field(

@@ -285,9 +285,10 @@ def test_cli_smoke(tmp_path, capsys) -> None:
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
     out = tmp_path / "rows.json"
-    assert cli.main(["--gpus", "8", "--sigma", "1", "--eta", "0", "2", "--steps", "6", "--out", str(out)]) == 0
+    args = ["--gpus", "8", "--sigma", "1", "--eta", "0", "2", "--steps", "6", "--groups-in-flight", "3", "4"]
+    assert cli.main([*args, "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["mode"] for r in rows] == ["sync", "async", "async"]
+    assert [(r["mode"], r["groups_in_flight"]) for r in rows] == [("sync", 3)] + [("async", 3)] * 2 + [("async", 4)] * 2
     assert all(r["staleness_max"] <= r["eta"] for r in rows)
     assert "| mode |" in capsys.readouterr().out
     assert cli.main(["--preset", "machine", "--eta", "2", "--steps", "10"]) == 0
