@@ -183,15 +183,21 @@ async def test_an_update_with_requests_in_flight_splits_their_versions_exactly(
 async def test_a_killed_server_is_restarted_with_the_held_weights_and_no_request_is_lost(
     engine: VllmEngine,
 ) -> None:
+    """The server is stopped (SIGSTOP) before the requests are sent, so all 16 are certainly in flight, sent
+    and unanswered, when it is killed: a fast server cannot finish them first."""
     assert engine.server is not None
-    held, version, restarts = await engine.held_digest(), engine.version, engine.restarts
+    held, version, restarts, resent = await engine.held_digest(), engine.version, engine.restarts, engine.resent
     params = SamplingParams(max_new_tokens=60, temperature=1.0, stop_token_ids=[])
+    pid = engine.server.pid
+    os.killpg(pid, signal.SIGSTOP)
     tasks = [asyncio.create_task(engine.generate(PROMPT, params)) for _ in range(16)]
-    await asyncio.sleep(0.2)
-    os.killpg(engine.server.pid, signal.SIGKILL)
+    async with asyncio.timeout(60):
+        while engine.requests_in_flight < 16:
+            await asyncio.sleep(0.01)
+    os.killpg(pid, signal.SIGKILL)
     gens = await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
     assert len(gens) == 16 and all(len(g.output_ids) == 60 for g in gens)
-    assert engine.restarts == restarts + 1 and engine.resent >= 1
+    assert engine.restarts == restarts + 1 and engine.resent == resent + 16
     assert engine.heartbeat_stats()["engine_restarts"] == restarts + 1
     assert engine.version == version and await engine.held_digest() == held
     assert all(g.version_spans == [(0, version)] for g in gens)

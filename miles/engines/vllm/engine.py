@@ -138,6 +138,7 @@ class VllmEngine:
         self.last_error: Exception | None = None
         self.restarts = 0
         self.resent = 0  # requests sent again after a restart
+        self.requests_in_flight = 0  # generate requests sent to the server and not answered yet
 
     # ------------------------------------------------------------------ state
 
@@ -273,18 +274,23 @@ class VllmEngine:
             if adapter is not None:
                 payload["model"] = adapter[0]
                 self._adapter_requests[adapter[0]] += 1
+            self.requests_in_flight += 1
+            lost: ServerDown | None = None
             try:
                 reply = await self._post_generate(client, payload)
             except ServerDown as exc:
+                lost = exc
+            finally:
+                self.requests_in_flight -= 1
+                if adapter is not None:
+                    self._adapter_requests[adapter[0]] -= 1
+            if lost is not None:
                 if self.server is None:  # not ours to restart
-                    self._error = EngineError(f"cannot reach vLLM at {self.base_url}: {exc}")
+                    self._error = EngineError(f"cannot reach vLLM at {self.base_url}: {lost}")
                     raise self._error from None
                 self.resent += 1
                 await self._wait_for_restart()
                 continue  # sent again from its start, on the adapter that is newest then
-            finally:
-                if adapter is not None:
-                    self._adapter_requests[adapter[0]] -= 1
             gen = self._parse(list(prompt_ids), reply, None if adapter is None else adapter[1])
             if gen.finish_reason == "length" and budget < params.max_new_tokens:
                 gen.finish_reason = "context"
