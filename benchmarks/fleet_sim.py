@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sigma", type=float, nargs="+", default=[0.0, 0.5, 1.0])
     ap.add_argument("--eta", type=int, nargs="+", default=[0, 1, 2, 4, 8])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
-    ap.add_argument("--stale-prefix", nargs="+", choices=["discard", "mask"], default=["discard"])
+    ap.add_argument("--stale-prefix", nargs="+", choices=["discard", "mask"], default=["mask"])
     ap.add_argument("--steps", type=int, default=None, help="default: 120 (fleet), 100 (machine)")
     ap.add_argument(
         "--groups-in-flight", type=int, nargs="+", default=[None], help="per engine (default: the preset's)"

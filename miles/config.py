@@ -571,11 +571,12 @@ class StalenessConfig(Strict):
         "requeue", description="What the trainer does with a trajectory older than the bound: drop, or re-issue it."
     )
     stale_prefix: Literal["discard", "mask"] = Field(
-        "discard",
+        "mask",
         description="A trajectory whose first tokens are older than the bound but whose last ones are not (a long "
-        "answer the engine continued under newer weights): 'discard' treats it as stale (on_stale); 'mask' trains "
-        "it with its too-old tokens out of the loss (they stay as context), so its generation is not thrown away "
-        "and redone. Either way no trained token is more than max_staleness versions old (docs/staleness.md).",
+        "answer the engine continued under newer weights): 'mask' trains it with its too-old tokens out of the "
+        "loss (they stay as context), so its generation is not thrown away and redone; 'discard' treats it as "
+        "stale (on_stale). Either way no trained token is more than max_staleness versions old "
+        "(docs/staleness.md).",
     )
 
 

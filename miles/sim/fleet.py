@@ -91,7 +91,7 @@ class FleetParams:
     eta: int = 2
     groups_in_flight: int | None = None  # per engine (rollout.groups_in_flight); None: max_batch // group_size
     admit_by: AdmitBy = "groups"  # rollout.admit_by: a group's room comes back when it ends, or per episode
-    stale_prefix: StalePrefix = "discard"  # staleness.stale_prefix: re-queue a long group, or mask its old tokens
+    stale_prefix: StalePrefix = "mask"  # staleness.stale_prefix: mask a long group's old tokens, or re-queue it
     groups_per_step: int = 64
     group_size: int = 16
     steps: int = 20

@@ -193,6 +193,7 @@ TINY = FleetParams(
     pause_s=0.1,
     colocated_switch_s=0.4,
     dataset=256,
+    stale_prefix="discard",  # the tests of re-queueing; the masking ones say mask
 )
 
 
