@@ -31,7 +31,8 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from nats.js.api import RawStreamMsg
@@ -97,6 +98,16 @@ def stored_at(raw: RawStreamMsg) -> float | None:
     return raw.time.timestamp() if raw.time is not None else None
 
 
+@dataclass
+class AnnouncementReplay:
+    """The stored announcements a rebuild reads as far as the reports it replays need them."""
+
+    messages: AsyncIterator[RawStreamMsg]
+    adopted: set[int] = field(default_factory=set)  # stream sequences of the announcements adopted
+    read: int = 0
+    done: bool = False
+
+
 class Controller(Actor):
     role = "controller"
 
@@ -121,6 +132,7 @@ class Controller(Actor):
         # mode -> {versions, bytes, max} of the announced payloads (running totals: bounded for any run length)
         self.sync_bytes: dict[str, dict[str, int]] = {}
         self.last_batch: GroupsIssued | None = None  # the newest issue record (republished after a restart)
+        self._replaying: AnnouncementReplay | None = None  # set while _rebuild replays the stored messages
         self._due_evals: list[int] = []  # versions whose evaluation was due while the controller was away
         self._trainer_done: TrainerDone | None = None  # seen in the replay: the end is still to be written
         self.restarts = 0  # earlier lives of this controller (issue records found at start)
@@ -231,26 +243,23 @@ class Controller(Actor):
             self._restore(snapshot)
         at = dict(self._folded)  # what the snapshot holds (zeros: nothing)
         self.record.begin_rebuild(snapshot.record.file_sizes if snapshot is not None else None)
+        # 1. issue records, step reports, evaluation results, trainer_done, with the announcements each refers to
+        # read as it needs them (the version map keeps only the newest versions: all of them first, and a long
+        # replay without a snapshot would refuse its early reports as never announced)
         replayed = 0
-        # 1. every announcement's step (the step reports and evaluations below refer to them)
-        async for raw in stored_messages(js, s.events_stream, s.weights, after_seq=at["weights"]):
-            replayed += 1
-            ann = await self._accepted(raw, replaying=True)
-            if isinstance(ann, WeightsAnnounced) and ann.version > self.trainer_version:
-                if trust.announcement_refusal(
-                    ann, newest=self.trainer_version, max_steps=self.cfg.trainer.steps, stored=True
-                ):
-                    continue  # refused when it arrived
-                self._adopt_step(ann)
-                if not ann.replayed and ann.step > 0 and self.evals.due(ann.step, self.cfg.trainer.steps):
-                    self._due_evals.append(ann.version)
-        # 2. issue records, step reports, evaluation results, trainer_done
-        metrics_seq = at["metrics"]
-        async for raw in stored_messages(js, s.metrics_stream, s.metrics_all, after_seq=metrics_seq):
-            replayed += 1
-            metrics_seq = raw.seq or metrics_seq
-            await self._on_metrics(raw, True)
-        # 3. in stream order: announcements (for the audit), discards, held weights, evaluation shards; each
+        announcements = AnnouncementReplay(stored_messages(js, s.events_stream, s.weights, after_seq=at["weights"]))
+        self._replaying = announcements
+        try:
+            metrics_seq = at["metrics"]
+            async for raw in stored_messages(js, s.metrics_stream, s.metrics_all, after_seq=metrics_seq):
+                replayed += 1
+                metrics_seq = raw.seq or metrics_seq
+                await self._on_metrics(raw, True)
+            await self._replay_announcements(None)  # the announcements after the last report
+        finally:
+            self._replaying = None
+        replayed += announcements.read
+        # 2. in stream order: announcements (for the audit), discards, held weights, evaluation shards; each
         # subject from where the snapshot's fold of it ended
         events_seq = min(at[key] for key in EVENT_KEYS)
         async for raw in stored_messages(js, s.events_stream, f"{s.run}.events.>", after_seq=events_seq):
@@ -260,8 +269,8 @@ class Controller(Actor):
                 continue
             replayed += 1
             if key == "weights":
-                ann = decode_any(raw.data) if raw.data else None  # checked in step 1 (counted there)
-                if isinstance(ann, WeightsAnnounced) and ann.version in self.version_steps:
+                ann = decode_any(raw.data) if events_seq in announcements.adopted else None  # checked in step 1
+                if isinstance(ann, WeightsAnnounced):
                     self._adopt_totals(ann)
             elif key == "discarded":
                 await self._on_discard(raw, True)
@@ -286,6 +295,30 @@ class Controller(Actor):
                 seconds=round(time.perf_counter() - started, 3),
             )
         return {"metrics": metrics_seq, "events": events_seq}
+
+    async def _replay_announcements(self, version: int | None) -> None:
+        """Rebuilding: adopt the stored announcements up to ``version`` (None: all of them), as a live controller
+        had read them when the report that names ``version`` arrived. A no-op outside a rebuild."""
+        replay = self._replaying
+        if replay is None:
+            return
+        while not replay.done and (version is None or self.trainer_version < version):
+            raw = await anext(replay.messages, None)
+            if raw is None:
+                replay.done = True
+                return
+            replay.read += 1
+            ann = await self._accepted(raw, replaying=True)
+            if not isinstance(ann, WeightsAnnounced) or ann.version <= self.trainer_version:
+                continue
+            if trust.announcement_refusal(
+                ann, newest=self.trainer_version, max_steps=self.cfg.trainer.steps, stored=True
+            ):
+                continue  # refused when it arrived
+            self._adopt_step(ann)
+            replay.adopted.add(raw.seq)
+            if not ann.replayed and ann.step > 0 and self.evals.due(ann.step, self.cfg.trainer.steps):
+                self._due_evals.append(ann.version)
 
     def _fold_key(self, subject: str) -> str | None:
         """The :data:`FOLDED` entry a message on ``subject`` belongs to (None: one the controller does not fold)."""
@@ -690,7 +723,9 @@ class Controller(Actor):
             return
         refusal: str | None = None
         if isinstance(message, StepMetrics):
-            if not replaying:
+            if replaying:
+                await self._replay_announcements(message.policy_version)
+            else:
                 async with self.gate.outside():  # nothing changed yet: a snapshot may be cut while it waits
                     await self._announced(message.policy_version)
             refusal = trust.step_refusal(message, version_steps=self.version_steps, recorded=self.record.totals.steps)
@@ -704,7 +739,9 @@ class Controller(Actor):
                     self.resolved.add(int(gid[1:]))
                 self.record.step(message, stored_at(raw), worker_lag_mean=sum(lags) / len(lags) if lags else 0.0)
         elif isinstance(message, TrainerDone):
-            if not replaying:
+            if replaying:
+                await self._replay_announcements(message.policy_version)
+            else:
                 async with self.gate.outside():
                     await self._announced(message.policy_version)
             refusal = trust.done_refusal(message, version_steps=self.version_steps, steps=self.cfg.trainer.steps)
@@ -713,6 +750,7 @@ class Controller(Actor):
                 if not replaying:
                     self._tasks.create_task(self._finish(message, self._done_event), name="controller.finish")
         elif isinstance(message, EvalResult):
+            await self._replay_announcements(message.requested_version)  # rebuilding: the step it was requested at
             self.evals.mark_completed(message)
             self.record.eval(message, step=self.version_steps.get(message.requested_version, 0), t=stored_at(raw))
             async with self._eval_recorded:

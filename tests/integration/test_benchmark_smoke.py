@@ -60,12 +60,14 @@ def test_stale_prefix_runs_every_arm_and_counts_their_tokens(tmp_path: Path) -> 
 @pytest.mark.slow
 def test_controller_restart_rebuilds_a_synthetic_run_exactly(tmp_path: Path) -> None:
     """The restart benchmark fills real streams and runs the controller's real rebuild, which it checks itself
-    (nothing refused, every group accounted for): a small run must pass those checks."""
+    (nothing refused, every group accounted for): a run must pass those checks. 300 steps: more versions than
+    the controller's version map keeps (256), so the replay without a snapshot must read each announcement as
+    the step reports need it (read all first, the early reports were refused as never announced)."""
     out = tmp_path / "restart.json"
-    args = ["--steps", "30", "--tail", "5", "--repeats", "1"]
+    args = ["--steps", "300", "--tail", "5", "--repeats", "1"]
     run_script("controller_restart.py", *args, "--out", str(out), timeout=300)
     (row,) = json.loads(out.read_text())["rows"]
-    assert row["steps"] == 30 and row["messages"] == 1 + 3 * 30 + 3
+    assert row["steps"] == 300 and row["messages"] == 1 + 3 * 300 + 30
     assert row["steps_after_snapshot"] == 5  # the restart replays the steps after the snapshot only
     assert 0 < row["restart_record_bytes"] < row["full_replay_record_bytes"]
 
