@@ -192,6 +192,7 @@ async def measure(steps: int, args: argparse.Namespace, root: Path) -> dict[str,
             kept = sum(snapshot.record.file_sizes[name] for name in RECORD_FILES)
             # 2. the tail after it, and the restarts
             expected = await fill(bus, cfg, sample_ids, args.discard_every, range(steps - tail, steps), held)
+            os.sync()  # the full replay's record (up to 678 MB) on disk: the restarts' cuts wait on no writeback
             runs = []
             for _ in range(args.repeats):
                 controller = controller_on(bus, cfg, run_dir)
